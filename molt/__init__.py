@@ -1,0 +1,1 @@
+"""Molt: a PyTorch-native framework for agentic reinforcement learning of language models."""

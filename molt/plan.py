@@ -1,0 +1,263 @@
+"""The typed plan: the single source of defaults and types for a Molt run.
+
+Hydra composes the YAML groups under conf/ (which only select and override); `to_plan` merges the
+result onto these dataclasses, so an unknown key or a wrong type is an error naming its full key path.
+Everything after configuration reads the plan, never the raw Hydra config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
+
+
+@dataclass
+class ModelPlan:
+    name: str = "tiny"
+    # HF-format checkpoint directory. For the tiny models it is generated on first use (molt/tiny.py).
+    path: str = "${oc.env:MOLT_CACHE,${oc.env:HOME}/.cache/molt}/tiny-dense"
+    tiny: Optional[str] = "dense"  # "dense" | "moe" | "vl": build `path` locally if missing; None = user checkpoint
+    moe: bool = False
+    num_experts: int = 0
+    multimodal: bool = False
+    dtype: str = "float32"  # actor parameter dtype: float32 | bfloat16
+    routing_replay: bool = False  # replay the engine's expert choices in the actor forward
+    freeze_router: bool = False  # hold MoE gate weights fixed
+
+
+@dataclass
+class ParallelPlan:
+    name: str = "cpu"
+    device: str = "cpu"  # cpu | cuda
+    nodes: int = 1
+    gpus_per_node: int = 0
+    actor_ranks: int = 1  # trainer world size
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    attention: str = "sdpa"  # sdpa | flash | te ; context parallel needs te
+    sequence_packing: bool = False
+
+
+@dataclass
+class RolloutPlan:
+    engines: int = 1
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.1  # on CPU: fraction of host memory vLLM reserves
+    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
+    max_model_len: int = 512
+    logprobs_mode: str = "processed_logprobs"  # processed_logprobs | raw_logprobs
+    weight_transfer: str = "auto"  # auto (cpu backend on cpu, nccl on cuda) | nccl | cpu
+    samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # vLLM-CPU threading: which cores the engine's OpenMP threads bind to, how many it reserves,
+    # and whether to preload the Intel OpenMP runtime shipped in the venv (measured faster here).
+    cpu_omp_threads_bind: str = "auto"
+    cpu_reserved_cores: Optional[int] = None
+    cpu_preload_iomp: bool = False
+    engine_args: dict[str, Any] = field(default_factory=dict)  # anything else vLLM's engine accepts
+
+
+@dataclass
+class AgentPlan:
+    name: str = "arithmetic"
+    path: str = "molt.agents.arithmetic"  # module (dotted or file path) exporting AgentRunner
+    form: str = "env"  # env | chat ; checked against the module's AgentRunner at launch
+    max_turns: int = 1
+    max_tokens_per_turn: int = 16
+    timeout_s: float = 60.0
+    max_failure_fraction: float = 0.5  # stop the run when more rollouts than this fail
+
+
+@dataclass
+class DataPlan:
+    name: str = "arithmetic"
+    train_path: Optional[str] = None  # JSONL of chat rows; None = the agent module's built-in task
+    eval_path: Optional[str] = None
+    apply_chat_template: bool = True
+    max_prompt_tokens: int = 128
+    bad_rows: str = "error"  # error | skip
+
+
+@dataclass
+class EstimatorPlan:
+    name: str = "reinforce_pp"
+    gamma: float = 1.0
+    lam: float = 1.0  # GAE lambda
+    whiten: bool = True
+    eps: float = 1e-6
+    reward_clip: list[float] = field(default_factory=lambda: [-10.0, 10.0])
+    distill_coef: float = 1.0  # beta of on_policy_distill
+
+
+@dataclass
+class ImportanceSamplingPlan:
+    enabled: bool = True
+    level: str = "token"  # token | seq | geo
+    mode: str = "mask"  # mask | clip | trunc
+    low: float = 0.5
+    high: float = 2.0
+    max_staleness: Optional[int] = None  # mask tokens sampled more than this many versions ago
+
+
+@dataclass
+class LossPlan:
+    name: str = "ppo"  # ppo | gspo | cispo
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    cispo_max_weight: float = 5.0
+    logratio_clamp: float = 20.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # KL as a per-token reward (reinforce_pp, gae) instead of a loss term
+    kl_target: Optional[float] = None  # adaptive KL controller target
+    kl_horizon: int = 10000
+    entropy_coef: float = 0.0
+    moe_aux_coef: float = 0.0
+    value_clip: float = 0.2
+    importance_sampling: ImportanceSamplingPlan = field(default_factory=ImportanceSamplingPlan)
+
+
+@dataclass
+class SchedulePlan:
+    name: str = "async"
+    queue_depth: int = 2  # batches generated ahead of training; 1 = sync, no overlap
+    partial_rollout: bool = False  # in-flight requests survive a refit and continue on new weights
+    force_on_policy: bool = False  # one complete rollout batch = exactly one optimizer step
+    refit_every: int = 1
+
+
+@dataclass
+class DynamicFilterPlan:
+    enabled: bool = False
+    low: float = 0.0  # keep groups whose mean score lies strictly inside (low, high)
+    high: float = 1.0
+
+
+@dataclass
+class ReferencePlan:
+    enabled: bool = False
+    path: Optional[str] = None  # None = the policy's initial weights; a teacher for distillation
+
+
+@dataclass
+class CriticPlan:
+    enabled: bool = False
+    lr: float = 1e-4
+
+
+@dataclass
+class TrainerPlan:
+    steps: int = 40
+    groups_per_step: int = 8  # prompt groups per optimizer step
+    micro_batch_size: int = 16  # sequences per micro-batch per rank
+    epochs_per_batch: int = 1
+    lr: float = 1e-4
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    optimizer_offload: bool = False
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class CheckpointPlan:
+    dir: str = "checkpoints"
+    every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep: int = 2
+    resume: bool = True  # continue from the newest complete checkpoint in dir
+    export_hf: bool = True
+
+
+@dataclass
+class MlflowPlan:
+    enabled: bool = True
+    tracking_uri: Optional[str] = None  # None = MLflow's default, sqlite:///mlflow.db in the working dir
+    experiment: str = "molt"
+    run_name: Optional[str] = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LoggerPlan:
+    mlflow: MlflowPlan = field(default_factory=MlflowPlan)
+    console: bool = True
+    eval_every: int = 0
+
+
+@dataclass
+class Plan:
+    model: ModelPlan = field(default_factory=ModelPlan)
+    parallel: ParallelPlan = field(default_factory=ParallelPlan)
+    rollout: RolloutPlan = field(default_factory=RolloutPlan)
+    agent: AgentPlan = field(default_factory=AgentPlan)
+    data: DataPlan = field(default_factory=DataPlan)
+    estimator: EstimatorPlan = field(default_factory=EstimatorPlan)
+    loss: LossPlan = field(default_factory=LossPlan)
+    schedule: SchedulePlan = field(default_factory=SchedulePlan)
+    dynamic_filter: DynamicFilterPlan = field(default_factory=DynamicFilterPlan)
+    reference: ReferencePlan = field(default_factory=ReferencePlan)
+    critic: CriticPlan = field(default_factory=CriticPlan)
+    trainer: TrainerPlan = field(default_factory=TrainerPlan)
+    checkpoint: CheckpointPlan = field(default_factory=CheckpointPlan)
+    logger: LoggerPlan = field(default_factory=LoggerPlan)
+    seed: int = 0
+    dry_run: bool = False
+    ray_address: Optional[str] = None  # None = start a local Ray; "auto" or host:port joins a cluster
+    recipe: Optional[str] = None  # set by experiments/<name>.yaml, recorded for tracking
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return max(1, p.actor_ranks // (p.tp_size * p.cp_size * p.pp_size))
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.trainer.groups_per_step * self.rollout.samples_per_prompt
+
+
+# conf/config.yaml starts from this schema, so every key exists with its type before any YAML merges in.
+ConfigStore.instance().store(name="molt_schema", node=Plan)
+
+
+class PlanError(ValueError):
+    """A config that cannot become a plan: unknown key, wrong type, missing value."""
+
+
+def to_plan(cfg: DictConfig | dict) -> Plan:
+    """Merge a composed Hydra config onto the schema and return the typed Plan.
+
+    Keys Hydra adds for itself (`hydra`) are dropped; everything else must be in the schema.
+    """
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=False)
+    cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Plan), cfg)
+        plan = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        reason = str(e).splitlines()[0]
+        raise PlanError(f"config key '{key}': {reason}") from None
+    return plan
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(plan))

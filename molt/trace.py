@@ -1,0 +1,126 @@
+"""The token trace: the one representation of a rollout that the trainer reads.
+
+A `Trajectory` is one token-exact segment of a rollout. Prompt and observation tokens are appended
+with `add_context` (never trained); engine samples with `add_action`, which keeps, per token, the id,
+the log-probability and the weight version the engine reported. Nothing here re-tokenizes text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class Sample:
+    """What one engine request returns: the sampled continuation of a prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each sampled token under the behaviour policy
+    versions: list[int]  # weight version each token was sampled under
+    finish_reason: str  # "stop" | "length" | "abort"
+    routed_experts: Optional[Any] = None  # [tokens, layers, top_k] when the engine returns routes
+
+
+@dataclass
+class Trajectory:
+    rollout_id: str
+    group_id: str
+    segment: int = 0  # > 0 after the chat server sealed a segment on context compaction
+    token_ids: list[int] = field(default_factory=list)
+    action_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 on context tokens
+    versions: list[int] = field(default_factory=list)  # -1 on context tokens
+    routed_experts: list[Any] = field(default_factory=list)  # one entry per action token when present
+    multimodal: dict[str, Any] = field(default_factory=dict)  # e.g. pixel_values, image_grid_thw
+    reward: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    truncated: bool = False
+    # Exactly the ids each engine call returned, in order: the token-identity audit compares against it.
+    engine_outputs: list[list[int]] = field(default_factory=list)
+
+    def add_context(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.action_mask += [False] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+        self.versions += [-1] * len(token_ids)
+
+    def add_action(self, sample: Sample) -> None:
+        n = len(sample.token_ids)
+        if len(sample.logprobs) != n or len(sample.versions) != n:
+            raise ValueError(
+                f"rollout {self.rollout_id}: engine returned {n} tokens but {len(sample.logprobs)} "
+                f"logprobs and {len(sample.versions)} versions"
+            )
+        self.token_ids += sample.token_ids
+        self.action_mask += [True] * n
+        self.logprobs += sample.logprobs
+        self.versions += sample.versions
+        self.engine_outputs.append(list(sample.token_ids))
+        if sample.routed_experts is not None:
+            self.routed_experts += list(sample.routed_experts)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(self.action_mask)
+
+
+def check_token_identity(traj: Trajectory) -> None:
+    """Fail fast unless the action tokens are exactly, and only, the ids the engine returned."""
+    actions = [t for t, is_action in zip(traj.token_ids, traj.action_mask) if is_action]
+    sampled = [t for output in traj.engine_outputs for t in output]
+    lengths = {len(traj.token_ids), len(traj.action_mask), len(traj.logprobs), len(traj.versions)}
+    if actions != sampled or len(lengths) != 1:
+        raise AssertionError(
+            f"token identity violated in rollout {traj.rollout_id} segment {traj.segment}: the trained "
+            f"action tokens are not exactly the ids the engine returned"
+        )
+    if any(v < 0 for v, is_action in zip(traj.versions, traj.action_mask) if is_action):
+        raise AssertionError(f"rollout {traj.rollout_id}: an action token has no engine weight version")
+
+
+@dataclass
+class TrainBatch:
+    """Trajectories right-padded into tensors. Position t holds token t; a log-probability at t is
+    log p(token_t | tokens_<t), so `action_mask[:, 0]` is always False."""
+
+    token_ids: torch.Tensor  # [B, T] long, padded with 0
+    attention_mask: torch.Tensor  # [B, T] bool
+    action_mask: torch.Tensor  # [B, T] bool
+    rollout_logprobs: torch.Tensor  # [B, T] float32, the engine's log-probabilities (0 off actions)
+    versions: torch.Tensor  # [B, T] long, weight version of each action token (-1 off actions)
+    rewards: torch.Tensor  # [B] float32
+    group_ids: torch.Tensor  # [B] long, rollouts of one prompt share an id
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> "TrainBatch":
+        return TrainBatch(**{name: value[index] for name, value in vars(self).items()})
+
+
+def collate(trajectories: list[Trajectory]) -> TrainBatch:
+    """Pad trajectories into one TrainBatch; group ids become consecutive integers."""
+    group_index: dict[str, int] = {}
+    length = max(len(t.token_ids) for t in trajectories)
+
+    def padded(values: list, pad, dtype) -> torch.Tensor:
+        return torch.tensor(values + [pad] * (length - len(values)), dtype=dtype)
+
+    rows = [
+        dict(
+            token_ids=padded(t.token_ids, 0, torch.long),
+            attention_mask=padded([True] * len(t.token_ids), False, torch.bool),
+            action_mask=padded(t.action_mask, False, torch.bool),
+            rollout_logprobs=padded(t.logprobs, 0.0, torch.float32),
+            versions=padded(t.versions, -1, torch.long),
+        )
+        for t in trajectories
+    ]
+    return TrainBatch(
+        **{name: torch.stack([row[name] for row in rows]) for name in rows[0]},
+        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        group_ids=torch.tensor([group_index.setdefault(t.group_id, len(group_index)) for t in trajectories]),
+    )

@@ -1,0 +1,212 @@
+"""Hydra groups -> typed plan -> validator, and the `molt-run` dry run, with no Ray and no model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from omegaconf.errors import OmegaConfBaseException
+
+from molt.cli import CONF_DIR
+from molt.plan import Plan, PlanError, to_plan
+from molt.validate import validate
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUPS = {
+    group: sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    for group in ("model", "parallel", "rollout", "agent", "data", "estimator", "loss", "schedule", "trainer",
+                  "experiment", "debug")
+}
+
+
+def make_plan(*overrides: str) -> Plan:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_plan(compose(config_name="config", overrides=list(overrides)))
+
+
+def test_groups_named_in_the_issue_exist():
+    required = {
+        "model": {"tiny", "tiny_moe", "qwen3_4b", "qwen35b_moe", "glm_753b_moe"},
+        "parallel": {"cpu", "fsdp8", "ep64", "ep256", "tp4_cp2"},
+        "estimator": {"reinforce_pp", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"},
+        "loss": {"ppo", "gspo", "cispo"},
+        "schedule": {"sync", "async", "partial_rollout", "force_on_policy"},
+    }
+    for group, names in required.items():
+        assert names <= set(GROUPS[group]), group
+
+
+def test_default_plan_is_valid_and_typed():
+    plan = make_plan()
+    assert isinstance(plan, Plan)
+    assert (plan.model.name, plan.parallel.device, plan.estimator.name, plan.loss.name, plan.schedule.name) == (
+        "tiny", "cpu", "reinforce_pp", "ppo", "async"
+    )
+    assert plan.schedule.queue_depth == 2 and plan.loss.importance_sampling.enabled
+    assert validate(plan) == []
+
+
+def test_group_choice_and_overrides_reach_the_plan():
+    plan = make_plan("model=qwen35b_moe", "parallel=ep64", "estimator=rloo", "trainer.lr=3e-6")
+    assert plan.model.num_experts == 256 and plan.parallel.ep_size == 64 and plan.estimator.name == "rloo"
+    assert plan.rollout.dtype == "bfloat16", "parallel=ep64 selects the GPU engine settings"
+    assert plan.trainer.lr == pytest.approx(3e-6)
+    assert validate(plan) == []
+
+
+@pytest.mark.parametrize("recipe", GROUPS["experiment"])
+def test_every_recipe_validates(recipe):
+    plan = make_plan(f"experiment={recipe}")
+    assert plan.recipe == recipe
+    assert validate(plan) == []
+
+
+def composition_error(*overrides: str) -> str:
+    """The message Hydra (at compose time) or to_plan (at conversion) gives for a bad override."""
+    with pytest.raises((PlanError, HydraException)) as error:
+        make_plan(*overrides)
+    return str(error.value) + str(error.value.__cause__ or "")
+
+
+def test_unknown_key_names_its_full_path():
+    assert "trainer.learning_rate" in composition_error("trainer.learning_rate=1")
+    assert "trainer.learning_rate" in composition_error("+trainer.learning_rate=1")
+
+
+def test_wrong_type_names_its_full_path():
+    assert "trainer.steps" in composition_error("trainer.steps=many")
+    assert "loss.importance_sampling.enabled" in composition_error("loss.importance_sampling.enabled=maybe")
+
+
+def test_to_plan_rejects_bad_dicts_naming_the_key():
+    with pytest.raises(PlanError, match=r"rollout\.top_p"):
+        to_plan({"rollout": {"top_p": "high"}})
+    with pytest.raises(PlanError, match=r"model\.nope"):
+        to_plan({"model": {"nope": 1}})
+
+
+# (bad overrides, overrides that fix them, key the message must name)
+RULES = [
+    (["schedule=partial_rollout", "loss.importance_sampling.enabled=false"], ["schedule=sync"], "schedule.partial_rollout"),
+    (["schedule=async", "loss.importance_sampling.enabled=false"], ["schedule=sync"], "loss.importance_sampling.enabled"),
+    (["rollout.top_p=0.9"], ["rollout.top_p=1.0"], "rollout.top_p"),
+    (["rollout.top_k=20"], ["rollout.top_k=-1"], "rollout.top_k"),
+    (["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7"], ["rollout.temperature=1.0"], "rollout.logprobs_mode"),
+    (["estimator=grpo", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["rollout.samples_per_prompt=2"], "rollout.samples_per_prompt"),
+    (["estimator=rloo", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["estimator=reinforce_pp"], "estimator=rloo"),
+    (["estimator=dr_grpo", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["rollout.samples_per_prompt=4"], "estimator=dr_grpo"),
+    (["estimator=reinforce_baseline", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["rollout.samples_per_prompt=4"], "samples_per_prompt"),
+    (["dynamic_filter.enabled=true", "dynamic_filter.low=0.9", "dynamic_filter.high=0.1"], ["dynamic_filter.low=0.0", "dynamic_filter.high=1.0"], "dynamic_filter.low"),
+    (["dynamic_filter.enabled=true", "dynamic_filter.low=0.5", "dynamic_filter.high=0.5"], ["dynamic_filter.enabled=false"], "dynamic_filter.high"),
+    (["dynamic_filter.enabled=true", "rollout.samples_per_prompt=1", "trainer.groups_per_step=16"], ["rollout.samples_per_prompt=2", "trainer.groups_per_step=8"], "dynamic_filter.enabled"),
+    (["estimator=gae"], ["critic.enabled=true"], "critic.enabled"),
+    (["estimator=on_policy_distill"], ["reference.enabled=true"], "reference.enabled"),
+    (["schedule=force_on_policy", "trainer.epochs_per_batch=2"], ["trainer.epochs_per_batch=1"], "trainer.epochs_per_batch"),
+    (["schedule=force_on_policy", "schedule.queue_depth=2"], ["schedule.queue_depth=1"], "schedule.force_on_policy"),
+    (["loss.dual_clip=1.0"], ["loss.dual_clip=3.0"], "loss.dual_clip"),
+    (["loss=gspo", "loss.dual_clip=3.0"], ["loss=ppo"], "loss.dual_clip"),
+    (["loss=cispo", "loss.cispo_max_weight=0.5"], ["loss.cispo_max_weight=2.0"], "loss.cispo_max_weight"),
+    (["loss.importance_sampling.level=bogus"], ["loss.importance_sampling.level=geo"], "loss.importance_sampling.level"),
+    (["loss.importance_sampling.mode=bogus"], ["loss.importance_sampling.mode=trunc"], "loss.importance_sampling.mode"),
+    (["parallel=fsdp8", "parallel.actor_ranks=6", "parallel.tp_size=4"], ["parallel.actor_ranks=8"], "parallel.actor_ranks"),
+    (["model=tiny_moe", "parallel.actor_ranks=2", "parallel.ep_size=2", "model.num_experts=3"], ["model.num_experts=4"], "model.num_experts"),
+    (["parallel.ep_size=2", "parallel.actor_ranks=2"], ["model=tiny_moe"], "parallel.ep_size"),
+    (["model=tiny_moe", "parallel.ep_size=2"], ["parallel.actor_ranks=2"], "parallel.ep_size"),
+    (["parallel=tp4_cp2", "parallel.attention=sdpa"], ["parallel.attention=te"], "parallel.attention"),
+    (["parallel=tp4_cp2", "parallel.sequence_packing=true"], ["parallel.sequence_packing=false"], "parallel.sequence_packing"),
+    (["parallel=fsdp8", "parallel.pp_size=2"], ["parallel.pp_size=1"], "parallel.pp_size"),
+    (["model.routing_replay=true"], ["model.routing_replay=false"], "model.routing_replay"),
+    (["model=qwen35b_moe", "parallel=ep64", "model.routing_replay=true", "schedule=partial_rollout"], ["schedule=async"], "schedule.partial_rollout"),
+    (["model=tiny_moe", "model.routing_replay=true"], ["model.routing_replay=false"], "parallel.device=cpu"),
+    (["model=qwen35b_moe", "parallel=ep64", "parallel.sequence_packing=true"], ["parallel.sequence_packing=false"], "model.multimodal"),
+    (["trainer.groups_per_step=3", "rollout.samples_per_prompt=3", "trainer.micro_batch_size=2"], ["trainer.micro_batch_size=3"], "trainer.micro_batch_size"),
+    (["parallel=fsdp8", "trainer.groups_per_step=1", "rollout.samples_per_prompt=4", "trainer.micro_batch_size=1"], ["trainer.groups_per_step=2"], "data-parallel size"),
+    (["parallel.tp_size=2", "parallel.actor_ranks=2"], ["parallel.tp_size=1"], "parallel.tp_size"),
+    (["rollout.tensor_parallel_size=2"], ["rollout.tensor_parallel_size=1"], "rollout.tensor_parallel_size"),
+    (["rollout.weight_transfer=nccl"], ["rollout.weight_transfer=cpu"], "rollout.weight_transfer=nccl"),
+    (["parallel=fsdp8", "rollout.engines=9"], ["rollout.engines=8"], "parallel.nodes"),
+    (["agent=openai_chat", "data.apply_chat_template=false"], ["data.apply_chat_template=true"], "data.apply_chat_template"),
+    (["loss.kl_coef=0.1"], ["reference.enabled=true"], "loss.kl_coef"),
+    (["estimator=grpo", "loss.kl_in_reward=true", "reference.enabled=true", "loss.kl_coef=0.1"], ["loss.kl_in_reward=false"], "loss.kl_in_reward"),
+    (["data.max_prompt_tokens=600"], ["data.max_prompt_tokens=64"], "rollout.max_model_len"),
+    (["model.dtype=bfloat16"], ["model.dtype=float32"], "model.dtype"),
+]
+
+
+@pytest.mark.parametrize("bad,fix,key", RULES, ids=[rule[2] + "|" + ",".join(rule[0]) for rule in RULES])
+def test_each_rule_fails_and_its_fix_passes(bad, fix, key):
+    problems = validate(make_plan(*bad))
+    assert any(key in p for p in problems), problems
+    assert validate(make_plan(*bad, *fix)) == []
+
+
+def test_all_violations_are_reported_at_once():
+    problems = validate(make_plan("estimator=gae", "rollout.top_p=0.5", "loss.dual_clip=0.5"))
+    assert len(problems) == 3
+    assert any("critic.enabled" in p for p in problems) and any("rollout.top_p" in p for p in problems)
+
+
+OVERRIDE_POOL = [
+    "trainer.lr=0.001", "trainer.steps=-3", "trainer.steps=abc", "rollout.samples_per_prompt=1",
+    "rollout.top_p=0.5", "loss.dual_clip=0.9", "loss.dual_clip=2.0", "critic.enabled=true",
+    "reference.enabled=true", "loss.kl_coef=0.05", "loss.kl_in_reward=true", "parallel.ep_size=2",
+    "parallel.actor_ranks=2", "parallel.tp_size=2", "parallel.cp_size=2", "model.routing_replay=true",
+    "schedule.queue_depth=0", "loss.importance_sampling.enabled=false", "dynamic_filter.enabled=true",
+    "dynamic_filter.low=0.7", "+bogus.key=1", "+trainer.nope=2", "data.apply_chat_template=false",
+    "trainer.micro_batch_size=3", "rollout.engines=100", "model.num_experts=7", "estimator.reward_clip=[1,0]",
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    choices=st.fixed_dictionaries(
+        {group: st.sampled_from(options) for group, options in GROUPS.items() if group not in ("experiment", "debug")}
+    ),
+    overrides=st.lists(st.sampled_from(OVERRIDE_POOL), max_size=4, unique=True),
+)
+def test_any_composition_is_a_valid_plan_or_an_error_naming_keys(choices, overrides):
+    args = [f"{group}={name}" for group, name in choices.items()] + overrides
+    try:
+        plan = make_plan(*args)
+    except PlanError as e:
+        assert "config key '" in str(e) and "'?'" not in str(e)
+        return
+    except (HydraException, OmegaConfBaseException) as e:  # an override rejected at compose time
+        message = str(e) + str(e.__cause__ or "")
+        assert any(o.split("=")[0].lstrip("+") in message for o in overrides), message
+        return
+    for problem in validate(plan):
+        assert "=" in problem or "." in problem, problem
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "from molt.cli import run; run()", *args, "hydra.run.dir=/tmp/molt-test-dry"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+
+
+def test_dry_run_of_the_paper_scale_moe_prints_the_plan_without_ray():
+    result = run_cli("model=qwen35b_moe", "parallel=ep64", "estimator=rloo", "dry_run=true")
+    assert result.returncode == 0, result.stderr
+    assert "num_experts: 256" in result.stdout and "plan is valid" in result.stdout
+    assert "ray" not in result.stderr.lower()
+
+
+def test_invalid_launch_exits_nonzero_naming_keys_before_anything_starts():
+    result = run_cli("estimator=gae", "rollout.top_p=0.9")
+    assert result.returncode != 0
+    assert "critic.enabled" in result.stderr and "rollout.top_p" in result.stderr
+    assert "nothing was started" in result.stderr
+
+
+def test_hydra_cfg_job_still_works():
+    result = run_cli("--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    assert "estimator:" in result.stdout
