@@ -44,8 +44,37 @@ def run() -> None:
 
 
 def reproduce() -> None:
-    sys.exit("molt-reproduce: not implemented yet (see the experiment-management issue)")
+    import argparse
+
+    from molt.tracking import RecordError, reproduce
+
+    parser = argparse.ArgumentParser(prog="molt-reproduce", description="Relaunch the exact plan of a recorded run.")
+    parser.add_argument("source", help="MLflow run id or molt-run output directory")
+    parser.add_argument("overrides", nargs="*", help="plan keys to change, Hydra syntax: trainer.steps=2")
+    parser.add_argument("--force", action="store_true", help="accept a plan written under a different schema")
+    parser.add_argument("--tracking-uri", help="MLflow store holding the run (default: $MLFLOW_TRACKING_URI, "
+                        "else sqlite:///mlflow.db)")
+    args = parser.parse_args()
+    try:
+        reproduce(args.source, args.overrides, args.force, args.tracking_uri)
+    except (RecordError, PlanError) as e:
+        sys.exit(f"molt-reproduce: {e}")
 
 
 def compare() -> None:
-    sys.exit("molt-compare: not implemented yet (see the experiment-management issue)")
+    import argparse
+
+    from molt.tracking import DEFAULT_METRICS, RecordError, compare_runs
+
+    parser = argparse.ArgumentParser(prog="molt-compare", description="Tabulate and plot recorded runs.")
+    parser.add_argument("runs", nargs="+", help="MLflow run ids, experiment names or sweep ids")
+    parser.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated metric names")
+    parser.add_argument("--out", default=".", help="directory for compare.png")
+    parser.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    args = parser.parse_args()
+    try:
+        table, plot = compare_runs(args.runs, args.metrics.split(","), args.out, args.tracking_uri)
+    except RecordError as e:
+        sys.exit(f"molt-compare: {e}")
+    print(table)
+    print(f"plot: {plot}" if plot else f"no plot: none of the runs logged {args.metrics}")

@@ -21,8 +21,9 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
 class ModelPlan:
     name: str = "tiny"
     # HF-format checkpoint directory. For the tiny models it is generated on first use (molt/tiny.py).
-    path: str = "${oc.env:MOLT_CACHE,${oc.env:HOME}/.cache/molt}/tiny-dense"
-    tiny: Optional[str] = "dense"  # "dense" | "moe" | "vl": build `path` locally if missing; None = user checkpoint
+    path: str = "${oc.env:MOLT_CACHE,${oc.env:HOME}/.cache/molt}/tiny-dense-warm300"
+    tiny: Optional[str] = "dense"  # "dense" | "moe": build `path` locally if missing; None = user checkpoint
+    warm_start_steps: int = 300  # tiny models: supervised steps on the default task first (molt/tiny.py)
     moe: bool = False
     num_experts: int = 0
     multimodal: bool = False
@@ -85,7 +86,7 @@ class AgentPlan:
 
 @dataclass
 class DataPlan:
-    name: str = "arithmetic"
+    name: str = "builtin"
     train_path: Optional[str] = None  # JSONL of chat rows; None = the agent module's built-in task
     eval_path: Optional[str] = None
     apply_chat_template: bool = True

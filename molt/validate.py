@@ -164,6 +164,11 @@ def validate(plan: Plan) -> list[str]:
         f"parallel.cp_size={par.cp_size} needs parallel.attention=te (context parallel attention)",
     )
     need(
+        par.cp_size == 1,
+        f"parallel.cp_size={par.cp_size}: context parallel is not wired into the trainer yet (it needs "
+        "AutoModel's context-parallel batch sharding in the forward); use parallel.cp_size=1",
+    )
+    need(
         not (par.cp_size > 1 and par.sequence_packing),
         "parallel.sequence_packing=true with parallel.cp_size > 1: packed batches under context parallel are "
         "not supported; set parallel.sequence_packing=false",

@@ -1,0 +1,277 @@
+"""The chat data path: one dataset format for both agent forms, and the one place messages become tokens.
+
+A dataset row is a dict in the OpenAI chat format:
+
+    {"messages": [{"role": "user", "content": "What is 3 + 4?"}],   # required
+     "tools": [{"type": "function", "function": {...}}],          # optional, OpenAI tool schemas
+     "images": [...],                                             # optional (no rollout path sends them yet)
+     "label": 7}                                                  # optional, anything the agent grades with
+
+Rows come from a JSONL file (`data.train_path` / `data.eval_path`) or from the agent module's
+`dataset(split, size, seed)`. The chat template is applied exactly once to build what the engine sees:
+here for an `Env` (`load_dataset` stores each row's `prompt_ids`), by the chat server for a `ChatAgent`.
+Both call `render_prompt` on the same normalized messages, so both forms send the engine identical ids.
+
+`Conversation` grows a rollout's token trace request by request: the model's sampled ids are kept as
+they are and only messages added since are rendered and appended.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+from molt.plan import Plan
+from molt.trace import Sample, Trajectory
+
+ROW_FIELDS = ("messages", "tools", "images", "label")
+ROLES = ("system", "user", "assistant", "tool")
+# The tiny model's (and Qwen's) tool-call format: a JSON object inside <tool_call> tags in the reply text.
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class DataError(ValueError):
+    """A dataset row or chat request that does not have the chat format; the message names the field."""
+
+
+def normalize_messages(messages: Any, where: str) -> list[dict]:
+    """OpenAI-format chat messages -> the plain form the chat template reads.
+
+    Content becomes one string, tool-call arguments become dicts, and fields the template does not use
+    are dropped, so the same conversation normalizes to the same value whichever client sent it.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of chat messages")
+    normalized = []
+    for i, message in enumerate(messages):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(message, dict):
+            raise DataError(f"{at} must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in ROLES:
+            raise DataError(f"{at}.role is {role!r}; use one of {', '.join(ROLES)}")
+        out = {"role": role, "content": _text(message.get("content"), f"{at}.content")}
+        if role == "assistant" and message.get("tool_calls"):
+            out["tool_calls"] = [
+                _tool_call(call, f"{at}.tool_calls[{j}]") for j, call in enumerate(message["tool_calls"])
+            ]
+        if role == "tool" and message.get("tool_call_id") is not None:
+            out["tool_call_id"] = str(message["tool_call_id"])
+        normalized.append(out)
+    return normalized
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise DataError(f"{where} must be a string or a list of text parts (images go in the row's 'images')")
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise DataError(f"{where} must look like {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise DataError(f"{where}.function.arguments is not valid JSON: {arguments[:80]!r}") from None
+    if not isinstance(arguments, dict):
+        raise DataError(f"{where}.function.arguments must be a JSON object")
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if call.get("id") is not None:
+        out["id"] = str(call["id"])
+    return out
+
+
+def normalize_tools(tools: Any, where: str) -> Optional[list[dict]]:
+    """OpenAI tool schemas, rebuilt with a fixed key order (the template prints them as JSON)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise DataError(f"{where}: 'tools' must be a list of tool schemas")
+    normalized = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(
+                f"{where}: tools[{i}] must look like {{'type': 'function', 'function': {{'name': ..., "
+                f"'description': ..., 'parameters': {{...}}}}}}"
+            )
+        kept = {key: function[key] for key in ("name", "description", "parameters") if key in function}
+        normalized.append({"type": "function", "function": kept})
+    return normalized
+
+
+def validate_row(row: Any, where: str) -> None:
+    """Raise DataError naming the row and field unless `row` has the dataset format."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object with 'messages'")
+    unknown = sorted(set(row) - set(ROW_FIELDS))
+    if unknown:
+        raise DataError(
+            f"{where}: unknown field {unknown[0]!r}; a row has {', '.join(ROW_FIELDS)} (task data goes in 'label')"
+        )
+    normalize_messages(row.get("messages"), where)
+    normalize_tools(row.get("tools"), where)
+    images = row.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
+        raise DataError(f"{where}: 'images' must be a list of image paths or URLs")
+
+
+def render(tokenizer, messages: list[dict], tools: Optional[list[dict]], add_generation_prompt: bool,
+           chat_template: bool = True) -> str:
+    """Normalized messages -> prompt text. Without a chat template (base models) the contents are joined."""
+    if not chat_template:
+        return "".join(message["content"] for message in messages)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+
+
+def render_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]],
+                  chat_template: bool = True) -> list[int]:
+    """The engine prompt for a conversation: the chat template with the generation prompt, tokenized."""
+    text = render(tokenizer, messages, tools, add_generation_prompt=True, chat_template=chat_template)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> list[dict]:
+    """The validated rows of `split` ("train" or "eval").
+
+    Read from data.train_path / data.eval_path when set, else `size` rows from the agent module's
+    `dataset(split, size, seed)`. For an Env each row gets `prompt_ids`, its rendered prompt; a ChatAgent's
+    rows stay as they are (the chat server renders what the agent sends). A bad row (wrong format, or a
+    prompt over data.max_prompt_tokens) is an error naming it, or skipped with data.bad_rows=skip.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: use 'train' or 'eval'")
+    path = plan.data.train_path if split == "train" else plan.data.eval_path
+    if path is not None:
+        rows, source = _read_jsonl(path), path
+    elif hasattr(agent_module, "dataset"):
+        rows, source = agent_module.dataset(split, size, plan.seed), f"{agent_module.__name__}.dataset"
+    else:
+        raise DataError(
+            f"data.{split}_path is not set and agent module {agent_module.__name__} has no dataset(split, size, "
+            f"seed): set data.{split}_path to a JSONL file"
+        )
+    chat_template = plan.data.apply_chat_template
+    kept = []
+    for number, row in enumerate(rows, start=1):
+        where = f"{source} row {number}"
+        try:
+            validate_row(row, where)
+            if row.get("images"):
+                raise DataError(f"{where}: field 'images': the rollout path sends text only; remove the images")
+            messages, tools = normalize_messages(row["messages"], where), normalize_tools(row.get("tools"), where)
+            prompt_ids = render_prompt(tokenizer, messages, tools, chat_template)
+            if len(prompt_ids) > plan.data.max_prompt_tokens:
+                raise DataError(
+                    f"{where}: field 'messages' renders to {len(prompt_ids)} prompt tokens, over "
+                    f"data.max_prompt_tokens={plan.data.max_prompt_tokens}"
+                )
+        except DataError:
+            if plan.data.bad_rows == "skip":
+                continue
+            raise
+        kept.append({**row, "prompt_ids": prompt_ids} if plan.agent.form == "env" else row)
+    if not kept:
+        raise DataError(f"{source}: no usable rows for split {split!r}")
+    return kept
+
+
+def _read_jsonl(path: str) -> list:
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path} row {number}: not valid JSON ({e})") from None
+    return rows
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Split a reply into its text and its tool calls (normalized form, ids not yet assigned).
+
+    A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; a block that is not such JSON
+    stays in the text, as the model wrote it.
+    """
+    calls = []
+
+    def take(match: re.Match) -> str:
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                and isinstance(call.get("arguments", {}), dict)):
+            return match.group(0)
+        calls.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+        return ""
+
+    text = TOOL_CALL.sub(take, text)
+    return text.strip(), calls
+
+
+class Conversation:
+    """One rollout's token trace, grown one engine request at a time from chat messages.
+
+    A request whose messages extend the messages the current segment stands for reuses the segment's exact
+    ids: only the new messages are rendered and appended. Any other request (the agent compacted or
+    rewrote its history, changed its tools, or the template re-renders earlier turns) seals the segment and
+    starts a new one from a fresh rendering. All segments share the rollout id.
+    """
+
+    def __init__(self, tokenizer, rollout_id: str, group_id: str, chat_template: bool = True):
+        self.tokenizer = tokenizer
+        self.rollout_id = rollout_id
+        self.group_id = group_id
+        self.chat_template = chat_template
+        self.segments: list[Trajectory] = []
+        self.messages: list[dict] = []  # what the current segment's ids stand for, ending with the last reply
+        self.tools: Optional[list[dict]] = None
+        self.tail = ""  # template text after the last reply that the model did not sample (ChatML: "\n")
+        # What the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
+        probe = "MOLT-PROBE"
+        text = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}], None, False)
+        if probe not in text:
+            raise ValueError("the chat template drops assistant messages; Molt cannot continue a conversation with it")
+        self.closing = text[text.rindex(probe) + len(probe):]
+
+    def _render(self, messages, tools, add_generation_prompt) -> str:
+        return render(self.tokenizer, messages, tools, add_generation_prompt, self.chat_template)
+
+    def prompt_for(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
+        """The engine prompt for a request carrying these normalized messages and tools."""
+        n = len(self.messages)
+        if self.segments and tools == self.tools and messages[:n] == self.messages:
+            before = self._render(self.messages, tools, False)
+            after = self._render(messages, tools, True)
+            if after.startswith(before):
+                new = self.tail + after[len(before):]
+                return self.segments[-1].token_ids + self.tokenizer.encode(new, add_special_tokens=False)
+        return render_prompt(self.tokenizer, messages, tools, self.chat_template)
+
+    def add_turn(self, messages: list[dict], tools: Optional[list[dict]], prompt_ids: list[int],
+                 sample: Sample, reply: dict) -> None:
+        """Record one engine call: its prompt (from `prompt_for`), the sample, and the reply message."""
+        segment = self.segments[-1] if self.segments else None
+        if segment is None or prompt_ids[: len(segment.token_ids)] != segment.token_ids:
+            segment = Trajectory(self.rollout_id, self.group_id, segment=len(self.segments))
+            self.segments.append(segment)
+        segment.add_context(prompt_ids[len(segment.token_ids):])
+        segment.add_action(sample)
+        self.messages = messages + [reply]
+        self.tools = tools
+        # A reply that ended on the end-of-turn token already holds the start of the template's closing.
+        stop = self.tokenizer.decode(sample.token_ids[-1:]) if sample.finish_reason == "stop" else ""
+        self.tail = self.closing[len(stop):] if stop and self.closing.startswith(stop) else self.closing

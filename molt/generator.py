@@ -1,0 +1,245 @@
+"""Rollout engines: vLLM `AsyncLLM` engines as Ray actors, and the `Generator` client in front of them.
+
+Token ids in, token ids out: a request is a list of prompt ids, the answer a `Sample` with the sampled
+ids, the log-probability of each and the weight version each was sampled under (vLLM's
+`weight_versions` spans, expanded per token). The `Generator` keeps all requests of a session on one
+engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine.
+Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API: on CPU
+with the backend in molt/refit_worker.py, on GPU with vLLM's NCCL backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import sys
+import uuid
+from typing import Optional
+
+import ray
+import torch
+
+from molt.plan import Plan, RolloutPlan
+from molt.trace import Sample
+
+# Plan fields that become engine arguments; `rollout.engine_args` may not repeat them.
+ENGINE_ARG_FIELDS = (
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "enable_expert_parallel",
+    "dtype",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "max_model_len",
+    "logprobs_mode",
+)
+
+
+def weight_transfer_backend(rollout: RolloutPlan, device: str) -> str:
+    """`rollout.weight_transfer` resolved to "cpu" or "nccl"."""
+    if rollout.weight_transfer == "auto":
+        return "nccl" if device == "cuda" else "cpu"
+    if rollout.weight_transfer not in ("cpu", "nccl"):
+        raise ValueError(f"rollout.weight_transfer={rollout.weight_transfer!r}: use auto, cpu or nccl")
+    if rollout.weight_transfer == "nccl" and device != "cuda":
+        raise ValueError("rollout.weight_transfer=nccl needs parallel.device=cuda; use auto or cpu")
+    return rollout.weight_transfer
+
+
+def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: int) -> dict:
+    """The vLLM engine arguments for this plan. On CPU it also sets the environment variables that
+    vLLM-CPU reads when it is imported, so call it before importing vLLM."""
+    engine_args = {name: getattr(rollout, name) for name in ENGINE_ARG_FIELDS}
+    repeated = sorted(set(rollout.engine_args) & set(engine_args))
+    if repeated:
+        raise ValueError(f"rollout.engine_args repeats {repeated}; set them as rollout.<name> instead")
+    if transfer == "cpu":
+        if rollout.kv_cache_gib != int(rollout.kv_cache_gib) or rollout.kv_cache_gib < 1:
+            raise ValueError(f"rollout.kv_cache_gib={rollout.kv_cache_gib}: vLLM-CPU needs whole GiB >= 1")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(rollout.kv_cache_gib))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rollout.cpu_omp_threads_bind
+        if rollout.cpu_reserved_cores is not None:
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(rollout.cpu_reserved_cores)
+        if rollout.cpu_preload_iomp:  # takes effect in the engine processes vLLM spawns
+            os.environ["LD_PRELOAD"] = os.path.join(sys.prefix, "lib", "libiomp5.so")
+        from molt.refit_worker import CPU_BACKEND
+
+        engine_args["worker_extension_cls"] = "molt.refit_worker.RefitWorkerExtension"
+        engine_args["weight_transfer_config"] = {"backend": CPU_BACKEND}
+    else:
+        engine_args["weight_transfer_config"] = {"backend": "nccl"}
+    return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
+
+
+@ray.remote
+class RolloutEngine:
+    """One vLLM `AsyncLLM` in its own Ray actor process."""
+
+    async def start(self, model_path: str, rollout: RolloutPlan, transfer: str, seed: int) -> None:
+        engine_args = prepare_engine(model_path, rollout, transfer, seed)
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        await self.llm.update_weight_version("0")  # vLLM labels the loaded weights "default"
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        request_id: str,
+    ) -> Sample:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            logprobs=0,  # only the sampled token's log-probability
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
+        )
+        async for output in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            pass
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        versions = [int(s.version) for s in completion.weight_versions for _ in range(s.start, s.end)]
+        if len(versions) != len(token_ids):
+            raise RuntimeError(f"request {request_id}: weight versions cover {len(versions)} of {len(token_ids)} tokens")
+        routed = completion.routed_experts  # [prompt + output positions, layers, top_k]; None on CPU
+        return Sample(
+            token_ids=token_ids,
+            logprobs=[step[token].logprob for token, step in zip(token_ids, completion.logprobs)],
+            versions=versions,
+            finish_reason=completion.finish_reason,
+            routed_experts=None if routed is None else routed[len(prompt_ids) :],
+        )
+
+    async def pause(self, keep_requests: bool) -> None:
+        # "keep" freezes in-flight requests (partial rollout); clearing the cache makes them recompute their
+        # KV with the new weights on resume and stops new requests from reusing prefixes computed by the old
+        # ones. "wait" lets in-flight requests finish on the old weights first.
+        await self.llm.pause_generation(mode="keep" if keep_requests else "wait", clear_cache=True)
+
+    async def update_weights(self, payload: bytes, version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if not await self.llm.is_paused():
+            raise RuntimeError("update_weights needs a paused engine: call pause() first")
+        await self.llm.start_weight_update()
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"payload": payload}))
+        await self.llm.finish_weight_update(weight_version=str(version))
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class Router:
+    """Picks an engine per request: a session stays on the engine of its first request, a new
+    session goes to the engine with the fewest requests in flight (ties: fewest sessions so far)."""
+
+    def __init__(self, num_engines: int):
+        self.in_flight = [0] * num_engines
+        self.sessions_started = [0] * num_engines
+        self.session_engine: dict[str, int] = {}
+
+    def acquire(self, session_id: Optional[str]) -> int:
+        index = self.session_engine.get(session_id) if session_id is not None else None
+        if index is None:
+            index = min(range(len(self.in_flight)), key=lambda i: (self.in_flight[i], self.sessions_started[i]))
+            self.sessions_started[index] += 1
+            if session_id is not None:
+                self.session_engine[session_id] = index
+        self.in_flight[index] += 1
+        return index
+
+    def release(self, index: int) -> None:
+        self.in_flight[index] -= 1
+
+    def end_session(self, session_id: str) -> None:
+        self.session_engine.pop(session_id, None)
+
+
+class Generator:
+    """Client for `rollout.engines` engines; call from one asyncio event loop."""
+
+    def __init__(self, engines: list, transfer: str):
+        self.engines = engines
+        self.transfer = transfer
+        self.router = Router(len(engines))
+
+    @classmethod
+    async def start(cls, plan: Plan) -> "Generator":
+        """Start the engines of `plan.rollout` on `plan.model.path` (Ray must be initialised)."""
+        rollout = plan.rollout
+        if rollout.engines < 1:
+            raise ValueError(f"rollout.engines={rollout.engines}: need at least one engine")
+        transfer = weight_transfer_backend(rollout, plan.parallel.device)
+        gpus = rollout.tensor_parallel_size * rollout.data_parallel_size if plan.parallel.device == "cuda" else 0
+        # On CPU vLLM binds its own cores (rollout.cpu_*), so the actor claims no Ray CPU.
+        engines = [RolloutEngine.options(num_cpus=0, num_gpus=gpus).remote() for _ in range(rollout.engines)]
+        generator = cls(engines, transfer)
+        try:
+            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed) for e in engines))
+        except BaseException:
+            await generator.shutdown()
+            raise
+        return generator
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        session_id: Optional[str] = None,
+    ) -> Sample:
+        index = self.router.acquire(session_id)
+        request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
+        try:
+            return await self.engines[index].generate.remote(
+                prompt_ids, max_tokens, temperature, top_p, top_k, request_id
+            )
+        finally:
+            self.router.release(index)
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a finished session's engine."""
+        self.router.end_session(session_id)
+
+    async def pause(self, keep_requests: bool = True) -> None:
+        """Stop scheduling. keep_requests (partial rollout) freezes in-flight requests so they continue on
+        the next weights; otherwise they run to completion on the current ones before this returns."""
+        await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
+
+    async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load the whole model, `named_tensors` in HF naming (as `model.state_dict()` names them;
+        fused MoE experts included), into every engine and label it `version`. Engines must be paused."""
+        if self.transfer != "cpu":
+            # On GPU the trainer drives vLLM's NCCL backend (NCCLTrainerWeightTransferEngine) against the
+            # engines' weight-transfer API; tensors never pass through this client.
+            raise NotImplementedError("NCCL refit is driven by the trainer, not by Generator.update_weights")
+        buffer = io.BytesIO()
+        torch.save({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}, buffer)
+        payload = ray.put(buffer.getvalue())  # one copy in the object store, shared by all engines
+        await asyncio.gather(*(e.update_weights.remote(payload, version) for e in self.engines))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(e.resume.remote() for e in self.engines))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(e.shutdown.remote() for e in self.engines), return_exceptions=True)
+        for engine in self.engines:
+            ray.kill(engine)

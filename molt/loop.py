@@ -1,0 +1,352 @@
+"""The one training loop. Read `train` top to bottom to follow a sample from agent to policy loss.
+
+Ray places the rollout engines (molt/generator.py) and the policy actor ranks (molt/trainer.py); this
+driver runs one asyncio event loop in which the prompt-group pool keeps agent rollouts in flight while the
+actor trains, so the engines never drain. Each optimizer step:
+
+    wait for a batch of complete groups -> recompute old (and reference) log-probs on the actor ->
+    importance weights + advantages (pure functions) -> train -> refit the engines -> log, checkpoint
+
+`schedule.queue_depth` bounds how far generation runs ahead of training (1 = sync, no overlap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from molt.agent import RolloutFailed, load_agent, run_chat_rollout, run_env_rollout
+from molt.chat_server import ChatServer
+from molt.data import load_dataset
+from molt.estimators import ESTIMATORS, dynamic_filter
+from molt.generator import Generator
+from molt.losses import importance_weights, kl_penalty, mismatch_metrics
+from molt.plan import Plan
+from molt.tiny import build_tiny
+from molt.trace import Trajectory, collate
+from molt.tracking import Tracker
+from molt.trainer import Critic, Trainer, latest_checkpoint
+
+
+@dataclass
+class Group:
+    index: int  # position in the prompt stream: what a resumed run re-issues
+    rollouts: list[list[Trajectory]]  # samples_per_prompt rollouts, each one or more segments
+
+
+class RolloutPool:
+    """Keeps prompt groups in flight and hands out complete ones in the order they finish.
+
+    At most (released steps + schedule.queue_depth) x trainer.groups_per_step groups are accepted or
+    running, so queue_depth=1 starts the next batch only after the previous refit (sync) and 2 generates
+    one batch ahead. A group with a failed rollout, or one the dynamic filter rejects, frees its slot and a
+    new prompt backfills it. Failed rollouts are counted by reason; the run stops when more than
+    agent.max_failure_fraction of them fail.
+    """
+
+    def __init__(self, plan: Plan, rows: list[dict], run_rollout, next_index: int = 0, reissue: list[int] = ()):
+        self.plan, self.rows, self.run_rollout = plan, rows, run_rollout
+        self.group_size = plan.rollout.samples_per_prompt
+        self.next_index = next_index
+        self.reissue = deque(reissue)  # groups in flight at the checkpoint we resumed from
+        self.allowed = plan.schedule.queue_depth * plan.trainer.groups_per_step
+        self.accepted = 0
+        self.running: dict[int, asyncio.Task] = {}
+        self.ready: asyncio.Queue[Group | BaseException] = asyncio.Queue()
+        self.dropped: Counter[str] = Counter()  # groups, by reason
+        self.failed: Counter[str] = Counter()  # rollouts, by reason
+        self.finished_rollouts = 0
+
+    def row(self, index: int) -> dict:
+        """The row at stream position `index`: each pass over the data is a fresh seeded shuffle."""
+        epoch, offset = divmod(index, len(self.rows))
+        order = random.Random(self.plan.seed * 100003 + epoch).sample(range(len(self.rows)), len(self.rows))
+        return self.rows[order[offset]]
+
+    def fill(self) -> None:
+        while self.accepted + len(self.running) < self.allowed:
+            if self.reissue:
+                index = self.reissue.popleft()
+            else:
+                index, self.next_index = self.next_index, self.next_index + 1
+            self.running[index] = asyncio.create_task(self._run_group(index))
+
+    async def _run_group(self, index: int) -> None:
+        row = self.row(index)
+        results = await asyncio.gather(
+            *(self.run_rollout(row, f"g{index}-r{k}", f"g{index}") for k in range(self.group_size)),
+            return_exceptions=True,
+        )
+        del self.running[index]
+        rollouts = [r for r in results if not isinstance(r, BaseException)]
+        for error in results:
+            if isinstance(error, RolloutFailed):
+                self.failed[error.reason.split(":")[0][:60]] += 1
+            elif isinstance(error, BaseException):  # a bug, not an agent failure: stop the run with it
+                self.ready.put_nowait(error)
+                return
+        self.finished_rollouts += len(results)
+        failed = sum(self.failed.values())
+        if failed > self.plan.agent.max_failure_fraction * max(self.finished_rollouts, self.allowed):
+            self.ready.put_nowait(RuntimeError(
+                f"{failed} of {self.finished_rollouts} rollouts failed (over agent.max_failure_fraction="
+                f"{self.plan.agent.max_failure_fraction}); reasons: {dict(self.failed)}"
+            ))
+            return
+        flt = self.plan.dynamic_filter
+        # Without dynamic filtering only the completeness check applies: an unbounded score range.
+        low, high = (flt.low, flt.high) if flt.enabled else (-math.inf, math.inf)
+        verdict = dynamic_filter({str(index): [r[0].reward for r in rollouts]}, self.group_size, low, high)
+        if verdict.kept:
+            self.accepted += 1
+            self.ready.put_nowait(Group(index, rollouts))
+        else:
+            self.dropped.update({reason: n for reason, n in verdict.dropped.items() if n})
+        self.fill()
+
+    async def next_batch(self) -> list[Group]:
+        self.fill()
+        groups = []
+        while len(groups) < self.plan.trainer.groups_per_step:
+            item = await self.ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            groups.append(item)
+        return groups
+
+    def release_step(self) -> None:
+        """The batch was trained on and the engines refitted: admit the next batch's groups."""
+        self.allowed += self.plan.trainer.groups_per_step
+        self.fill()
+
+    def state(self) -> dict:
+        """What a checkpoint needs so that a resumed run neither skips nor repeats a prompt."""
+        pending = sorted(self.running) + [g.index for g in self.ready._queue if isinstance(g, Group)]
+        return {"next_index": self.next_index, "reissue": pending + list(self.reissue)}
+
+    async def close(self) -> None:
+        for task in self.running.values():
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+
+def action_versions(rollout: list[Trajectory]) -> set[int]:
+    return {v for seg in rollout for v, is_action in zip(seg.versions, seg.action_mask) if is_action}
+
+
+def rollout_metrics(groups: list[Group], version: int) -> dict[str, float]:
+    """Reward, length, truncation, staleness and the agents' numeric info, over the rollouts of a batch."""
+    rollouts = [rollout for group in groups for rollout in group.rollouts]
+    rewards = torch.tensor([r[0].reward for r in rollouts])
+    lengths = torch.tensor([float(sum(seg.num_actions for seg in r)) for r in rollouts])
+    lags = torch.tensor([float(version - v) for r in rollouts for seg in r
+                         for v, is_action in zip(seg.versions, seg.action_mask) if is_action])
+    metrics = {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std(unbiased=False).item(),
+        "rollout/response_length": lengths.mean().item(),
+        "rollout/truncated_frac": sum(r[0].truncated for r in rollouts) / len(rollouts),
+        "rollout/samples": float(len(rollouts)),
+        "rollout/segments": float(sum(len(r) for r in rollouts)),
+        "rollout/mixed_version_frac": sum(len(action_versions(r)) > 1 for r in rollouts) / len(rollouts),
+        "staleness/mean": lags.mean().item() if len(lags) else 0.0,
+        "staleness/max": lags.max().item() if len(lags) else 0.0,
+    }
+    for key in {k for r in rollouts for k, v in r[0].info.items() if isinstance(v, (int, float))}:
+        values = [float(r[0].info[key]) for r in rollouts if isinstance(r[0].info.get(key), (int, float))]
+        metrics[f"info/{key}"] = sum(values) / len(values)
+    return metrics
+
+
+def train(plan: Plan, run_dir: str) -> dict:
+    """Run plan.trainer.steps optimizer steps; returns the run summary."""
+    return asyncio.run(_train(plan, os.path.abspath(run_dir)))
+
+
+async def _train(plan: Plan, run_dir: str) -> dict:
+    started = time.perf_counter()
+    if plan.model.tiny:
+        plan.model.path = build_tiny(plan.model.tiny, plan.model.path, plan.model.warm_start_steps)
+    if not ray.is_initialized():
+        ray.init(address=plan.ray_address, include_dashboard=False, log_to_driver=False)
+    tokenizer = AutoTokenizer.from_pretrained(plan.model.path)
+    agent = load_agent(plan.agent.path, plan.agent.form)
+    needed = plan.trainer.steps * plan.trainer.groups_per_step
+    rows = load_dataset(plan, agent, tokenizer, "train", size=needed)
+
+    generator = await Generator.start(plan)
+    trainer = Trainer(plan)
+    reference = Trainer(plan, trainable=False) if plan.reference.enabled else None
+    critic = Critic(plan) if plan.critic.enabled else None
+    server = ChatServer(generator, tokenizer, plan) if plan.agent.form == "chat" else None
+    if server:
+        await server.start()
+
+    async def run_rollout(row: dict, rollout_id: str, group_id: str) -> list[Trajectory]:
+        if server:
+            return await run_chat_rollout(agent.AgentRunner, row, server, plan, rollout_id, group_id)
+        return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id)
+
+    checkpoints = os.path.join(run_dir, plan.checkpoint.dir)
+    resume_from = latest_checkpoint(checkpoints) if plan.checkpoint.resume else None
+    state = {"step": 0, "pool": {"next_index": 0, "reissue": []}}
+    if resume_from:
+        state = await asyncio.to_thread(trainer.load, resume_from)
+        if critic:
+            critic_state = await asyncio.to_thread(critic.load, latest_checkpoint(os.path.join(checkpoints, "critic")))
+            if critic_state["step"] != state["step"]:
+                raise RuntimeError(f"{checkpoints}: the critic checkpoint is at step {critic_state['step']}, "
+                                   f"the policy at {state['step']}; delete the newer one to resume")
+        await refit(generator, trainer, version=state["step"], keep_requests=False)
+        print(f"molt: resumed from {resume_from} at step {state['step']}", file=sys.stderr)
+    version = state["step"]  # the engines' weight version = optimizer steps behind them
+    pool = RolloutPool(plan, rows, run_rollout, **state["pool"])
+    tracker = Tracker(plan, run_dir)
+    rewards_by_step = []
+    status = "FAILED"
+    try:
+        for step in range(state["step"], plan.trainer.steps):
+            metrics, groups = await optimizer_step(plan, pool, generator, trainer, reference, critic, version)
+            version += 1
+            pool.release_step()
+            metrics["timing/first_step_since_launch"] = time.perf_counter() - started if step == state["step"] else 0.0
+            rewards_by_step.append(metrics["rollout/reward_mean"])
+            tracker.log_metrics(metrics, step=step)
+            with open(os.path.join(run_dir, "steps.jsonl"), "a") as log:  # the local record of every step
+                log.write(json.dumps({"step": step, "groups": [g.index for g in groups], **metrics}) + "\n")
+            if plan.logger.console:
+                print(console_line(step, plan.trainer.steps, metrics), flush=True)
+            last = step + 1 == plan.trainer.steps
+            if (plan.checkpoint.every and (step + 1) % plan.checkpoint.every == 0) or last:
+                extra = {"step": step + 1, "pool": pool.state()}
+                if critic:  # first, so a complete policy checkpoint always has its critic
+                    await asyncio.to_thread(critic.save, os.path.join(checkpoints, "critic"), extra)
+                await asyncio.to_thread(trainer.save, checkpoints, extra)
+        summary = {"steps": len(rewards_by_step), "reward_by_step": rewards_by_step,
+                   "wall_s": time.perf_counter() - started, "groups_dropped": dict(pool.dropped),
+                   "rollouts_failed": dict(pool.failed)}
+        if plan.checkpoint.export_hf:
+            summary["hf_export"] = os.path.join(run_dir, "hf_export")
+            await asyncio.to_thread(trainer.export_hf, summary["hf_export"])
+            tracker.log_artifact_path(summary["hf_export"])
+        print_summary(summary)
+        status = "FINISHED"
+        return summary
+    finally:
+        tracker.finish(status)
+        await pool.close()
+        if server:
+            await server.stop()
+        for actor_group in (trainer, reference, critic):
+            if actor_group:
+                actor_group.shutdown()
+        await generator.shutdown()
+
+
+async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, trainer: Trainer,
+                         reference: Trainer | None, critic: Critic | None,
+                         version: int) -> tuple[dict[str, float], list[Group]]:
+    """One optimizer step, stage by stage; every stage's wall time is a `timing/*` metric. Returns the
+    step's metrics and the groups it trained on."""
+    t0 = time.perf_counter()
+    groups = await pool.next_batch()
+    t_batch = time.perf_counter()
+    batch = collate([segment for group in groups for rollout in group.rollouts for segment in rollout])
+    temperature, loss = plan.rollout.temperature, plan.loss
+
+    # The actor recomputes log-probs of the exact sampled ids; the engine's stay for importance correction.
+    old_logprobs = await asyncio.to_thread(trainer.logprobs, batch, temperature)
+    ref_logprobs = await asyncio.to_thread(reference.logprobs, batch, temperature) if reference else None
+    values = await asyncio.to_thread(critic.values, batch) if critic else None
+    t_logprobs = time.perf_counter()
+
+    is_weights, loss_mask, is_metrics = importance_weights(
+        old_logprobs, batch.rollout_logprobs, batch.action_mask, loss.importance_sampling,
+        versions=batch.versions, current_version=version,
+    )
+    kl_reward = None
+    if ref_logprobs is not None and loss.kl_in_reward:
+        kl_reward = loss.kl_coef * kl_penalty(old_logprobs, ref_logprobs, loss.kl_estimator) * batch.action_mask
+    advantages, returns = ESTIMATORS[plan.estimator.name](
+        batch.rewards, batch.group_ids, batch.action_mask, plan.estimator,
+        kl_penalty=kl_reward, values=values, old_logprobs=old_logprobs, teacher_logprobs=ref_logprobs,
+    )
+    t_advantage = time.perf_counter()
+
+    kl_loss_ref = ref_logprobs if (loss.kl_coef > 0 and not loss.kl_in_reward) else None
+    train_metrics = await asyncio.to_thread(
+        trainer.train_step, batch, advantages, old_logprobs, loss_mask, is_weights, kl_loss_ref
+    )
+    if critic:
+        critic_metrics = await asyncio.to_thread(critic.train_step, batch, returns, values, loss_mask)
+        train_metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
+    t_train = time.perf_counter()
+
+    if (version + 1) % plan.schedule.refit_every == 0:
+        await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout)
+    t_end = time.perf_counter()
+
+    step_s = t_end - t0
+    trained_tokens = float(batch.action_mask.sum())
+    metrics = {
+        **rollout_metrics(groups, version),
+        **is_metrics,
+        **mismatch_metrics(batch.rollout_logprobs, old_logprobs, batch.action_mask),
+        **{k if "/" in k else f"train/{k}": v for k, v in train_metrics.items()},
+        "pool/groups_dropped": float(sum(pool.dropped.values())),
+        "pool/rollouts_failed": float(sum(pool.failed.values())),
+        "timing/gen_wait": t_batch - t0,
+        "timing/logprobs": t_logprobs - t_batch,
+        "timing/advantage": t_advantage - t_logprobs,
+        "timing/train": t_train - t_advantage,
+        "timing/refit": t_end - t_train,
+        "timing/step": step_s,
+        "throughput/trained_tokens_per_s": trained_tokens / step_s,
+    }
+    return metrics, groups
+
+
+async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> None:
+    """Pause the engines, load the actor's weights labelled `version`, resume.
+
+    keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
+    the version it was sampled under; otherwise in-flight requests finish on the old weights first.
+    """
+    weights = await asyncio.to_thread(trainer.state_dict)
+    await generator.pause(keep_requests=keep_requests)
+    try:
+        await generator.update_weights(weights, version)
+    finally:
+        await generator.resume()
+
+
+def console_line(step: int, steps: int, m: dict[str, float]) -> str:
+    return (
+        f"step {step + 1}/{steps}  reward {m['rollout/reward_mean']:.3f}  len {m['rollout/response_length']:.1f}"
+        f"  loss {m['loss/policy']:.4f}  stale {m['staleness/mean']:.2f}"
+        f"  {m['throughput/trained_tokens_per_s']:.0f} tok/s  step {m['timing/step']:.2f}s"
+        f" (wait {m['timing/gen_wait']:.2f} train {m['timing/train']:.2f} refit {m['timing/refit']:.2f})"
+    )
+
+
+def print_summary(summary: dict) -> None:
+    rewards = summary["reward_by_step"]
+    k = max(1, min(5, len(rewards) // 4))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    print(
+        f"molt: {summary['steps']} steps in {summary['wall_s']:.0f}s; mean reward first {k} steps {first:.3f}, "
+        f"last {k} steps {last:.3f}; groups dropped {summary['groups_dropped']}; rollouts failed "
+        f"{summary['rollouts_failed']}; export {summary.get('hf_export')}",
+        flush=True,
+    )

