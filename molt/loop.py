@@ -13,12 +13,14 @@ actor trains, so the engines never drain. Each optimizer step:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import random
 import sys
 import time
+import traceback
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -34,9 +36,13 @@ from molt.generator import Generator
 from molt.losses import importance_weights, kl_penalty, mismatch_metrics
 from molt.plan import Plan
 from molt.tiny import build_tiny
-from molt.trace import Trajectory, collate
+from molt.trace import Trajectory, check_token_identity, collate
 from molt.tracking import Tracker
 from molt.trainer import Critic, Trainer, latest_checkpoint
+
+
+class EngineDied(RuntimeError):
+    """A rollout engine's process is gone; the loop checkpoints and stops."""
 
 
 @dataclass
@@ -93,7 +99,10 @@ class RolloutPool:
         for error in results:
             if isinstance(error, RolloutFailed):
                 self.failed[error.reason.split(":")[0][:60]] += 1
-            elif isinstance(error, BaseException):  # a bug, not an agent failure: stop the run with it
+            elif isinstance(error, BaseException):  # not the agent's failure: stop the run with it
+                self.reissue.appendleft(index)  # a resumed run generates this group again
+                if isinstance(error, ray.exceptions.RayActorError):
+                    error = EngineDied(f"a rollout engine died: {error}")
                 self.ready.put_nowait(error)
                 return
         self.finished_rollouts += len(results)
@@ -176,63 +185,92 @@ def train(plan: Plan, run_dir: str) -> dict:
 
 async def _train(plan: Plan, run_dir: str) -> dict:
     started = time.perf_counter()
+    tracker = Tracker(plan, run_dir)  # first, so that a run failing at start-up is recorded too
+    try:
+        summary = await _run(plan, run_dir, tracker, started)
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except BaseException:
+        tracker.finish("FAILED", error=traceback.format_exc())
+        raise
+    tracker.finish("FINISHED")
+    return summary
+
+
+async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> dict:
+    checkpoints = os.path.join(run_dir, plan.checkpoint.dir)
+    check_writable(checkpoints)
     if plan.model.tiny:
         plan.model.path = build_tiny(plan.model.tiny, plan.model.path, plan.model.warm_start_steps)
     if not ray.is_initialized():
         ray.init(address=plan.ray_address, include_dashboard=False, log_to_driver=False)
     tokenizer = AutoTokenizer.from_pretrained(plan.model.path)
     agent = load_agent(plan.agent.path, plan.agent.form)
-    needed = plan.trainer.steps * plan.trainer.groups_per_step
-    rows = load_dataset(plan, agent, tokenizer, "train", size=needed)
+    rows = load_dataset(plan, agent, tokenizer, "train", size=plan.trainer.steps * plan.trainer.groups_per_step)
 
-    generator = await Generator.start(plan)
-    trainer = Trainer(plan)
-    reference = Trainer(plan, trainable=False) if plan.reference.enabled else None
-    critic = Critic(plan) if plan.critic.enabled else None
-    server = ChatServer(generator, tokenizer, plan) if plan.agent.form == "chat" else None
-    if server:
-        await server.start()
-
-    async def run_rollout(row: dict, rollout_id: str, group_id: str) -> list[Trajectory]:
+    async with contextlib.AsyncExitStack() as stack:  # stops whatever has started, in reverse order
+        generator = await Generator.start(plan)
+        stack.push_async_callback(generator.shutdown)
+        trainer = Trainer(plan)
+        stack.callback(trainer.shutdown)
+        reference = Trainer(plan, trainable=False) if plan.reference.enabled else None
+        critic = Critic(plan) if plan.critic.enabled else None
+        for actor_group in (reference, critic):
+            if actor_group:
+                stack.callback(actor_group.shutdown)
+        server = ChatServer(generator, tokenizer, plan) if plan.agent.form == "chat" else None
         if server:
-            return await run_chat_rollout(agent.AgentRunner, row, server, plan, rollout_id, group_id)
-        return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id)
+            await server.start()
+            stack.push_async_callback(server.stop)
 
-    checkpoints = os.path.join(run_dir, plan.checkpoint.dir)
-    resume_from = latest_checkpoint(checkpoints) if plan.checkpoint.resume else None
-    state = {"step": 0, "pool": {"next_index": 0, "reissue": []}}
-    if resume_from:
-        state = await asyncio.to_thread(trainer.load, resume_from)
-        if critic:
-            critic_state = await asyncio.to_thread(critic.load, latest_checkpoint(os.path.join(checkpoints, "critic")))
-            if critic_state["step"] != state["step"]:
-                raise RuntimeError(f"{checkpoints}: the critic checkpoint is at step {critic_state['step']}, "
-                                   f"the policy at {state['step']}; delete the newer one to resume")
-        await refit(generator, trainer, version=state["step"], keep_requests=False)
-        print(f"molt: resumed from {resume_from} at step {state['step']}", file=sys.stderr)
-    version = state["step"]  # the engines' weight version = optimizer steps behind them
-    pool = RolloutPool(plan, rows, run_rollout, **state["pool"])
-    tracker = Tracker(plan, run_dir)
-    rewards_by_step = []
-    status = "FAILED"
-    try:
+        async def run_rollout(row: dict, rollout_id: str, group_id: str) -> list[Trajectory]:
+            if server:
+                return await run_chat_rollout(agent.AgentRunner, row, server, plan, rollout_id, group_id)
+            return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id)
+
+        state = {"step": 0, "pool": {"next_index": 0, "reissue": []}}
+        resume_from = latest_checkpoint(checkpoints) if plan.checkpoint.resume else None
+        if resume_from:
+            state = await asyncio.to_thread(trainer.load, resume_from)
+            if critic:
+                critic_state = await asyncio.to_thread(critic.load, latest_checkpoint(os.path.join(checkpoints, "critic")))
+                if critic_state["step"] != state["step"]:
+                    raise RuntimeError(f"{checkpoints}: the critic checkpoint is at step {critic_state['step']}, "
+                                       f"the policy at {state['step']}; delete the newer one to resume")
+            await refit(generator, trainer, version=state["step"], keep_requests=False)
+            print(f"molt: resumed from {resume_from} at step {state['step']}", file=sys.stderr)
+        version = state["step"]  # the engines' weight version = optimizer steps behind them
+        pool = RolloutPool(plan, rows, run_rollout, **state["pool"])
+        stack.push_async_callback(pool.close)
+
+        async def save_checkpoint(steps_done: int) -> None:
+            extra = {"step": steps_done, "pool": pool.state()}
+            if critic:  # first, so a complete policy checkpoint always has its critic
+                await asyncio.to_thread(critic.save, os.path.join(checkpoints, "critic"), extra)
+            await asyncio.to_thread(trainer.save, checkpoints, extra)
+
+        rewards_by_step = []
         for step in range(state["step"], plan.trainer.steps):
-            metrics, groups = await optimizer_step(plan, pool, generator, trainer, reference, critic, version)
+            try:
+                metrics, groups = await optimizer_step(plan, pool, generator, trainer, reference, critic, version)
+            except EngineDied as e:  # documented choice: keep what was learned, stop, resume later
+                await save_checkpoint(step)
+                raise RuntimeError(f"{e}; wrote a checkpoint at step {step} in {checkpoints}: run again in "
+                                   f"the same directory (hydra.run.dir={run_dir}) to resume") from e
             version += 1
             pool.release_step()
-            metrics["timing/first_step_since_launch"] = time.perf_counter() - started if step == state["step"] else 0.0
+            if step == state["step"]:
+                metrics["timing/first_step_since_launch"] = time.perf_counter() - started
             rewards_by_step.append(metrics["rollout/reward_mean"])
             tracker.log_metrics(metrics, step=step)
             with open(os.path.join(run_dir, "steps.jsonl"), "a") as log:  # the local record of every step
                 log.write(json.dumps({"step": step, "groups": [g.index for g in groups], **metrics}) + "\n")
             if plan.logger.console:
                 print(console_line(step, plan.trainer.steps, metrics), flush=True)
-            last = step + 1 == plan.trainer.steps
-            if (plan.checkpoint.every and (step + 1) % plan.checkpoint.every == 0) or last:
-                extra = {"step": step + 1, "pool": pool.state()}
-                if critic:  # first, so a complete policy checkpoint always has its critic
-                    await asyncio.to_thread(critic.save, os.path.join(checkpoints, "critic"), extra)
-                await asyncio.to_thread(trainer.save, checkpoints, extra)
+            if (plan.checkpoint.every and (step + 1) % plan.checkpoint.every == 0) or step + 1 == plan.trainer.steps:
+                await save_checkpoint(step + 1)
+
         summary = {"steps": len(rewards_by_step), "reward_by_step": rewards_by_step,
                    "wall_s": time.perf_counter() - started, "groups_dropped": dict(pool.dropped),
                    "rollouts_failed": dict(pool.failed)}
@@ -241,17 +279,19 @@ async def _train(plan: Plan, run_dir: str) -> dict:
             await asyncio.to_thread(trainer.export_hf, summary["hf_export"])
             tracker.log_artifact_path(summary["hf_export"])
         print_summary(summary)
-        status = "FINISHED"
         return summary
-    finally:
-        tracker.finish(status)
-        await pool.close()
-        if server:
-            await server.stop()
-        for actor_group in (trainer, reference, critic):
-            if actor_group:
-                actor_group.shutdown()
-        await generator.shutdown()
+
+
+def check_writable(directory: str) -> None:
+    """Fail before anything starts when checkpoints could not be written."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, ".molt-write-check")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise RuntimeError(f"checkpoint.dir: cannot write checkpoints to {directory}: {e.strerror}") from None
 
 
 async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, trainer: Trainer,
@@ -262,11 +302,14 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
     t0 = time.perf_counter()
     groups = await pool.next_batch()
     t_batch = time.perf_counter()
-    batch = collate([segment for group in groups for rollout in group.rollouts for segment in rollout])
+    segments = [segment for group in groups for rollout in group.rollouts for segment in rollout]
+    for segment in segments:  # the invariant audit: train only on tokens, logprobs and versions the engine gave
+        check_token_identity(segment)
+    batch = collate(segments)
     temperature, loss = plan.rollout.temperature, plan.loss
 
     # The actor recomputes log-probs of the exact sampled ids; the engine's stay for importance correction.
-    old_logprobs = await asyncio.to_thread(trainer.logprobs, batch, temperature)
+    old_logprobs = await asyncio.to_thread(trainer.logprobs, batch, temperature, batch.routed_experts)
     ref_logprobs = await asyncio.to_thread(reference.logprobs, batch, temperature) if reference else None
     values = await asyncio.to_thread(critic.values, batch) if critic else None
     t_logprobs = time.perf_counter()
@@ -286,7 +329,8 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
 
     kl_loss_ref = ref_logprobs if (loss.kl_coef > 0 and not loss.kl_in_reward) else None
     train_metrics = await asyncio.to_thread(
-        trainer.train_step, batch, advantages, old_logprobs, loss_mask, is_weights, kl_loss_ref
+        trainer.train_step, batch, advantages, old_logprobs, loss_mask, is_weights, kl_loss_ref,
+        batch.routed_experts,
     )
     if critic:
         critic_metrics = await asyncio.to_thread(critic.train_step, batch, returns, values, loss_mask)

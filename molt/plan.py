@@ -221,7 +221,9 @@ class Plan:
     logger: LoggerPlan = field(default_factory=LoggerPlan)
     seed: int = 0
     dry_run: bool = False
-    ray_address: Optional[str] = None  # None = start a local Ray; "auto" or host:port joins a cluster
+    # None: Ray's default (join a `ray start` cluster on this machine, else start one); "local": always a
+    # fresh local instance; "auto" or host:port: join that cluster.
+    ray_address: Optional[str] = None
     recipe: Optional[str] = None  # set by experiments/<name>.yaml, recorded for tracking
 
     @property

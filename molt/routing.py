@@ -24,10 +24,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-
-ROUTERS = (Qwen3MoeTopKRouter, Qwen3_5MoeTopKRouter)  # forward(h) -> (logits, top-k weights, top-k ids)
 
 
 @dataclass
@@ -89,8 +85,13 @@ class RouterHooks:
 
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
-    """The supported MoE routers of `model` in layer order; empty for a dense model."""
-    return [m for m in model.modules() if isinstance(m, ROUTERS)]
+    """The MoE routers of `model` in layer order: transformers' Qwen3-MoE and Qwen3.5-MoE routers, whose
+    forward(h) returns (logits, top-k weights, top-k ids). Empty for a dense model."""
+    # Imported here: the transformers model modules take seconds, and only the trainer ranks need them.
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    return [m for m in model.modules() if isinstance(m, (Qwen3MoeTopKRouter, Qwen3_5MoeTopKRouter))]
 
 
 def load_balancing_loss(calls: list[RouterCall], token_mask: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ the log-probability and the weight version the engine reported. Nothing here re-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,7 +22,7 @@ class Sample:
     logprobs: list[float]  # log-probability of each sampled token under the behaviour policy
     versions: list[int]  # weight version each token was sampled under
     finish_reason: str  # "stop" | "length" | "abort"
-    routed_experts: Optional[Any] = None  # [tokens, layers, top_k] when the engine returns routes
+    routed_experts: Optional[Any] = None  # [positions from 0, layers, top_k] when the engine returns routes
 
 
 @dataclass
@@ -33,7 +34,8 @@ class Trajectory:
     action_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # 0.0 on context tokens
     versions: list[int] = field(default_factory=list)  # -1 on context tokens
-    routed_experts: list[Any] = field(default_factory=list)  # one entry per action token when present
+    # Per position, the experts the engine routed it to ([layers, top_k]) when it returns routes.
+    routed_experts: list[Any] = field(default_factory=list)
     multimodal: dict[str, Any] = field(default_factory=dict)  # e.g. pixel_values, image_grid_thw
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +62,8 @@ class Trajectory:
         self.versions += sample.versions
         self.engine_outputs.append(list(sample.token_ids))
         if sample.routed_experts is not None:
-            self.routed_experts += list(sample.routed_experts)
+            # Each call re-runs the whole prefix; earlier positions keep the routes they were sampled with.
+            self.routed_experts += list(sample.routed_experts[len(self.routed_experts) :])
 
     @property
     def num_actions(self) -> int:
@@ -77,8 +80,12 @@ def check_token_identity(traj: Trajectory) -> None:
             f"token identity violated in rollout {traj.rollout_id} segment {traj.segment}: the trained "
             f"action tokens are not exactly the ids the engine returned"
         )
-    if any(v < 0 for v, is_action in zip(traj.versions, traj.action_mask) if is_action):
+    actions = [(v, lp) for v, lp, is_action in zip(traj.versions, traj.logprobs, traj.action_mask) if is_action]
+    if any(v < 0 for v, _ in actions):
         raise AssertionError(f"rollout {traj.rollout_id}: an action token has no engine weight version")
+    if not all(math.isfinite(lp) and lp <= 0 for _, lp in actions):
+        raise AssertionError(f"rollout {traj.rollout_id}: an action token's behaviour log-probability is not "
+                             "one the engine could have returned (non-finite or positive)")
 
 
 @dataclass
@@ -93,12 +100,13 @@ class TrainBatch:
     versions: torch.Tensor  # [B, T] long, weight version of each action token (-1 off actions)
     rewards: torch.Tensor  # [B] float32
     group_ids: torch.Tensor  # [B] long, rollouts of one prompt share an id
+    routed_experts: Optional[torch.Tensor] = None  # [B, T, layers, top_k] int16, -1 where no route
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]
 
     def select(self, index: torch.Tensor | slice) -> "TrainBatch":
-        return TrainBatch(**{name: value[index] for name, value in vars(self).items()})
+        return TrainBatch(**{name: None if value is None else value[index] for name, value in vars(self).items()})
 
 
 def collate(trajectories: list[Trajectory]) -> TrainBatch:
@@ -119,8 +127,16 @@ def collate(trajectories: list[Trajectory]) -> TrainBatch:
         )
         for t in trajectories
     ]
+    routed_experts = None
+    if any(t.routed_experts for t in trajectories):
+        shape = torch.as_tensor(next(t.routed_experts for t in trajectories if t.routed_experts)[0]).shape
+        routed_experts = torch.full((len(trajectories), length, *shape), -1, dtype=torch.int16)
+        for row, t in enumerate(trajectories):
+            if t.routed_experts:
+                routed_experts[row, : len(t.routed_experts)] = torch.as_tensor(t.routed_experts)
     return TrainBatch(
         **{name: torch.stack([row[name] for row in rows]) for name in rows[0]},
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([group_index.setdefault(t.group_id, len(group_index)) for t in trajectories]),
+        routed_experts=routed_experts,
     )

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, fields, is_dataclass
 from datetime import datetime
 from importlib import metadata, util
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import mlflow
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -49,6 +51,12 @@ HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TI
 MAX_PENDING_METRICS = 10_000  # metric values kept for a retry while the store is unreachable
 MAX_ARTIFACT_BYTES = 20 * 2**20  # log_artifact_path uploads files up to this size, else records the path
 DEFAULT_METRICS = ("rollout/reward_mean", "rollout/response_length", "timing/step")
+REDACTED = "***"
+# A key that names a credential (api_key, hf_token, password, client_secret, Authorization, ...); max_tokens
+# and tokenizer do not match. MLflow gets REDACTED in place of such values.
+SECRET_KEY = re.compile(r"(?:^|[_-])(?:api[_-]?key|access[_-]?key|private[_-]?key|secret(?:[_-]?key)?|token|"
+                        r"password|passwd|credentials?|authorization|auth)$", re.IGNORECASE)
+ASSIGNMENT = re.compile(r"([\w.+~-]+)=([^,\s]*)")  # key=value in Hydra overrides and run names
 
 
 class RecordError(ValueError):
@@ -61,6 +69,22 @@ def mlflow_name(name: str) -> str:
     name = re.sub(r"[^/\w.\- :]", "_", name)
     name = "/".join(part for part in name.split("/") if part not in ("", ".", ".."))
     return name[:MAX_ENTITY_KEY_LENGTH] or "_"
+
+
+def redact(value: Any) -> Any:
+    """`value` (nested dicts, lists, strings) with what stands under a credential-looking key replaced by
+    REDACTED: dict values, and the value in `key=value` strings such as Hydra's overrides."""
+    if isinstance(value, dict):
+        return {key: REDACTED if _is_secret(key) else redact(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [redact(item) for item in value]
+    if isinstance(value, str):
+        return ASSIGNMENT.sub(lambda m: f"{m[1]}={REDACTED}" if _is_secret(m[1]) else m[0], value)
+    return value
+
+
+def _is_secret(key: Any) -> bool:
+    return isinstance(key, str) and SECRET_KEY.search(key.rsplit(".", 1)[-1]) is not None
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -136,13 +160,13 @@ class Tracker:
         run_name, sweep_id = cfg.run_name, None
         if HydraConfig.initialized():  # launched by molt-run: name the run by its overrides, group a sweep's jobs
             hydra = HydraConfig.get()
-            run_name = run_name or hydra.job.override_dirname or None  # e.g. "estimator=grpo,seed=1"
+            run_name = redact(run_name or hydra.job.override_dirname or None)  # e.g. "estimator=grpo,seed=1"
             sweep_id = hydra.sweep.dir if hydra.mode == RunMode.MULTIRUN else None
         tags = {"estimator": plan.estimator.name, "model": plan.model.name, "parallel": plan.parallel.name,
                 "schedule": plan.schedule.name, "agent": plan.agent.name, "device": plan.parallel.device,
                 "recipe": plan.recipe, "sweep_id": sweep_id, "mlflow.source.git.commit": env["git_commit"],
                 **cfg.tags}
-        tags = {key: str(value)[:MAX_TAG_VAL_LENGTH] for key, value in tags.items() if value is not None}
+        tags = {key: str(value)[:MAX_TAG_VAL_LENGTH] for key, value in redact(tags).items() if value is not None}
         try:
             self.client = MlflowClient(cfg.tracking_uri)
             experiment_id = _experiment_id(self.client, cfg.experiment)
@@ -153,13 +177,17 @@ class Tracker:
                   f"({_first_line(e)}); training continues without tracking")
             return
 
-        params = {mlflow_name(key): str(value)[:MAX_PARAM_VAL_LENGTH] for key, value in _flatten(asdict(plan)).items()}
+        # What goes to MLflow has credentials redacted; the run directory keeps the plan as it is.
+        shared = redact(asdict(plan))
+        params = {mlflow_name(key): str(value)[:MAX_PARAM_VAL_LENGTH] for key, value in _flatten(shared).items()}
+        record |= {"plan.yaml": OmegaConf.to_yaml(OmegaConf.create(shared)), "plan.json": json.dumps(shared, indent=1)}
         try:
             self.client.log_batch(self.run_id, params=[Param(key, value) for key, value in params.items()])
             for name, text in record.items():
                 self.client.log_text(self.run_id, text, name)
-            if os.path.isdir(os.path.join(run_dir, ".hydra")):  # composed config, Hydra's view, overrides
-                self.client.log_artifacts(self.run_id, os.path.join(run_dir, ".hydra"), "hydra")
+            for path in sorted(Path(run_dir, ".hydra").glob("*.yaml")):  # composed config, Hydra's view, overrides
+                hydra_record = redact(yaml.safe_load(path.read_text()))
+                self.client.log_text(self.run_id, yaml.safe_dump(hydra_record, sort_keys=False), f"hydra/{path.name}")
             agent = plan.agent.path
             agent_file = agent if agent.endswith(".py") else getattr(util.find_spec(agent), "origin", None)
             if agent_file and os.path.isfile(agent_file):
@@ -300,7 +328,7 @@ def schema_changes(saved: dict, node: Any = None, prefix: str = "") -> tuple[lis
     return removed, added
 
 
-def load_plan(source: str, overrides: list[str] = (), force: bool = False,
+def load_plan(source: str, overrides: Sequence[str] = (), force: bool = False,
               tracking_uri: Optional[str] = None) -> Plan:
     """The exact plan of a recorded run (run directory or MLflow run id), with `overrides` on top.
 
@@ -341,14 +369,14 @@ def load_plan(source: str, overrides: list[str] = (), force: bool = False,
     for override in parsed:
         if (Path(CONF_DIR) / override.key_or_group).is_dir():
             raise RecordError(f"'{override.input_line}' selects a config group; molt-reproduce changes plan keys "
-                              f"(e.g. {override.key_or_group}.name=...), or start a new run with molt-run")
+                              "only (e.g. trainer.steps=2): to compose groups, start a new run with molt-run")
         if override.is_sweep_override() or override.is_delete():
             raise RecordError(f"'{override.input_line}': molt-reproduce takes key=value overrides only")
         OmegaConf.update(config, override.key_or_group, override.value(), merge=False)
     return to_plan(config)
 
 
-def reproduce(source: str, overrides: list[str] = (), force: bool = False,
+def reproduce(source: str, overrides: Sequence[str] = (), force: bool = False,
               tracking_uri: Optional[str] = None) -> dict:
     """Relaunch a recorded run's plan (plus overrides) as a new run tagged `molt.reproduced_from`."""
     plan = load_plan(source, overrides, force, tracking_uri)
@@ -357,6 +385,8 @@ def reproduce(source: str, overrides: list[str] = (), force: bool = False,
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise RecordError(f"the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")
+    if tracking_uri:  # the new run goes to its source's store, unless the plan names one
+        os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     run_dir = os.path.join("outputs", datetime.now().strftime("%Y-%m-%d/%H-%M-%S") + "-reproduce")
     from molt.loop import train  # Ray, vLLM and torch load only for a real launch
 
@@ -365,7 +395,7 @@ def reproduce(source: str, overrides: list[str] = (), force: bool = False,
 
 # ---- compare ------------------------------------------------------------------------------------------
 
-def find_runs(client: MlflowClient, targets: list[str]) -> list[Run]:
+def find_runs(client: MlflowClient, targets: Sequence[str]) -> list[Run]:
     """The runs named by run ids, experiment names or sweep ids, oldest first."""
     experiment_ids = None
     found = {}
@@ -387,7 +417,7 @@ def find_runs(client: MlflowClient, targets: list[str]) -> list[Run]:
     return sorted(found.values(), key=lambda run: run.info.start_time)
 
 
-def compare_runs(targets: list[str], metrics: list[str] = DEFAULT_METRICS, out_dir: str = ".",
+def compare_runs(targets: Sequence[str], metrics: Sequence[str] = DEFAULT_METRICS, out_dir: str = ".",
                  tracking_uri: Optional[str] = None) -> tuple[str, Optional[Path]]:
     """A table of the runs' differing params and final/best metrics, and a PNG of `metrics` against step
     (one panel per metric that any run logged; None when none did) whose legend names the differing params."""

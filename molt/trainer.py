@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from molt import losses
+from molt import losses, routing
 from molt.plan import Plan, TrainerPlan
 from molt.trace import TrainBatch
 
@@ -89,6 +89,8 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
 
         setup = DistributedSetup.build(strategy, sizes, activation_checkpointing=checkpointing)
         auto_class = NeMoAutoModelForTokenClassification if value_head else NeMoAutoModelForCausalLM
+        if needs_hf_routers(plan):
+            options["force_hf"] = True  # AutoModel's native MoE Gate has no hooks for molt/routing.py
         return auto_class.from_pretrained(path, distributed_setup=setup, **options), setup.mesh_context
 
     # NeMoAutoModelForCausalLM.from_pretrained hard-codes CUDA; AutoModel's mesh and parallelizer run on gloo.
@@ -101,6 +103,11 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
     mesh = MeshContext.build(strategy, sizes, activation_checkpointing=checkpointing)
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     return parallelize_model(auto_class.from_pretrained(path, **options), mesh), mesh
+
+
+def needs_hf_routers(plan: Plan) -> bool:
+    """Whether the plan uses routing replay, a frozen router or the MoE auxiliary loss (molt/routing.py)."""
+    return plan.model.routing_replay or plan.model.freeze_router or plan.loss.moe_aux_coef != 0
 
 
 def lr_factor(step: int, cfg: TrainerPlan, total_steps: int) -> float:
@@ -145,6 +152,7 @@ class PolicyWorker:
         self.model, self.mesh = load_model(self.plan, self.model_path, self.value_head)
         dp_mesh = get_flat_mesh(self.mesh.device_mesh, "dp")
         self.dp_rank, self.dp_size, self.dp_group = dp_mesh.get_local_rank(), dp_mesh.size(), dp_mesh.get_group()
+        self.routers = self._hook_routers()
         if not self.trainable:
             self.model.eval()
             return
@@ -159,6 +167,27 @@ class PolicyWorker:
             self.optimizer, lambda step: lr_factor(step, cfg, total_steps)
         )
 
+    def _hook_routers(self) -> Optional[routing.RouterHooks]:
+        """Hooks on the MoE routers (None for a dense model or a critic); freezes them for model.freeze_router.
+        Called after sharding: FSDP2 creates the unsharded parameters with the sharded ones' requires_grad at
+        the first forward, and the optimizer takes only parameters that require gradients."""
+        if self.value_head:
+            return None
+        routers = routing.moe_routers(self.model)
+        if not routers:
+            if needs_hf_routers(self.plan):
+                raise ValueError(
+                    f"model.routing_replay / model.freeze_router / loss.moe_aux_coef need an MoE model with "
+                    f"transformers' Qwen3-MoE or Qwen3.5-MoE routers; {type(self.model).__name__} at "
+                    f"{self.model_path} has none: turn them off"
+                )
+            return None
+        hooks = routing.RouterHooks(routers)
+        if self.plan.model.freeze_router:
+            for parameter in hooks.parameters():
+                parameter.requires_grad_(False)
+        return hooks
+
     def _shard(self, data: dict) -> dict:
         """This data-parallel rank's rows (the driver padded the batch to a multiple of dp_size)."""
         return {k: v if v is None else v.tensor_split(self.dp_size)[self.dp_rank] for k, v in data.items()}
@@ -169,12 +198,17 @@ class PolicyWorker:
         parts = {k: v if v is None else v.tensor_split(chunks) for k, v in shard.items()}
         return [{k: None if v is None else v[i] for k, v in parts.items()} for i in range(chunks)]
 
-    def _forward(self, token_ids: Tensor, attention_mask: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    def _forward(self, token_ids: Tensor, attention_mask: Tensor, temperature: float,
+                 routed_experts: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """Log-probabilities [b, T] of the batch's own tokens (0 at position 0) and the temperature-scaled
         logits [b, L-1, V] that predict tokens 1..L-1, where L is the longest sequence in this micro-batch.
-        Both on the model's device."""
+        Both on the model's device. With model.routing_replay the MoE layers use `routed_experts`
+        [b, T, layers, top_k] (molt/routing.py)."""
         length = int(attention_mask.sum(1).max())
         ids = token_ids[:, :length].to(self.device)
+        if self.routers is not None:
+            replay = routed_experts is not None and self.plan.model.routing_replay
+            self.routers.begin(routed_experts[:, :length] if replay else None)
         # Right padding: under causal attention real tokens never see the pads, so no attention mask is needed.
         logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
         logprobs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -185,7 +219,7 @@ class PolicyWorker:
         self.model.eval()
         shard = self._shard(data)
         parts = [
-            self._forward(mb["token_ids"], mb["attention_mask"], temperature)[0].cpu()
+            self._forward(mb["token_ids"], mb["attention_mask"], temperature, mb["routed_experts"])[0].cpu()
             for mb in self._micro_batches(shard)
         ]
         return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
@@ -210,7 +244,10 @@ class PolicyWorker:
                 start = time.perf_counter()
                 mb = {k: v if v is None else v.to(self.device) for k, v in mb.items()}
                 mask = mb["loss_mask"]
-                logprobs, logits = self._forward(mb["token_ids"], mb["attention_mask"], temperature)
+                share = float(mask.sum()) / max(num_tokens, 1)
+                logprobs, logits = self._forward(
+                    mb["token_ids"], mb["attention_mask"], temperature, mb["routed_experts"]
+                )
                 per_token, metrics = losses.policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, plan.loss, mb["is_weights"]
                 )
@@ -228,6 +265,8 @@ class PolicyWorker:
                     if kl_in_loss:
                         loss = loss + plan.loss.kl_coef * kl
                     add("loss/kl", kl.item())
+                if self.routers is not None:
+                    loss = loss + self._moe_terms(mb, share, add)
                 forward_s += time.perf_counter() - start
 
                 start = time.perf_counter()
@@ -235,7 +274,6 @@ class PolicyWorker:
                 (loss * self.dp_size).backward()
                 backward_s += time.perf_counter() - start
 
-                share = float(mask.sum()) / max(num_tokens, 1)
                 for name, value in metrics.items():
                     if name.endswith("_max"):
                         maxima[name] = max(maxima.get(name, value), value)
@@ -251,6 +289,9 @@ class PolicyWorker:
         sums = _all_reduce(sums, dist.ReduceOp.SUM, self.dp_group)
         result = {name: value / epochs for name, value in sums.items()}
         result.update(_all_reduce(maxima, dist.ReduceOp.MAX, self.dp_group))
+        if "moe/routes_compared" in result:
+            compared = result.pop("moe/routes_compared")
+            result["moe/routing_agreement"] = result.pop("moe/routes_matching") / max(compared, 1)
         return result | {
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lrs[-1],
@@ -258,6 +299,21 @@ class PolicyWorker:
             "time/forward_s": forward_s,
             "time/backward_s": backward_s,
         }
+
+    def _moe_terms(self, mb: dict, share: float, add) -> Tensor:
+        """The weighted MoE auxiliary loss of the forward just run (its share of the global token mean, as for
+        the other loss terms); logs it and, given engine routes, counts the (token, layer)s on which the
+        actor's own routers agree with the engine."""
+        length = int(mb["attention_mask"].sum(1).max())
+        with torch.set_grad_enabled(self.plan.loss.moe_aux_coef != 0):
+            aux = routing.load_balancing_loss(self.routers.calls, mb["attention_mask"][:, :length]) * share
+        add("loss/moe_aux", aux.item())
+        if mb["routed_experts"] is not None:
+            live = self.routers.live_routes().view(len(mb["token_ids"]), length, *mb["routed_experts"].shape[2:])
+            matching, compared = routing.routing_agreement(live, mb["routed_experts"][:, :length])
+            add("moe/routes_matching", matching)
+            add("moe/routes_compared", compared)
+        return self.plan.loss.moe_aux_coef * aux
 
     def _clip_and_step(self) -> Tensor:
         from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
@@ -370,27 +426,36 @@ class Trainer:
             for mask in ("action_mask", "loss_mask"):
                 if data.get(mask) is not None:
                     data[mask][-pad:] = False
+            if data.get("routed_experts") is not None:
+                data["routed_experts"][-pad:] = -1  # the copies do not count in the routing agreement
         return ray.put(data)
 
-    def logprobs(self, batch: TrainBatch, temperature: float) -> Tensor:
+    def logprobs(self, batch: TrainBatch, temperature: float, routed_experts: Optional[Tensor] = None) -> Tensor:
         """log p(token_t | tokens_<t) [B, T] of the batch's exact tokens, with the logits divided by the
-        sampling temperature as the engine does; 0 off the action mask."""
+        sampling temperature as the engine does; 0 off the action mask. With model.routing_replay the MoE
+        layers replay `routed_experts` [B, T, layers, top_k] (-1: no recorded route; molt/routing.py)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
-        data = self._put(batch)
+        _check_routes(batch, routed_experts)
+        data = self._put(batch, routed_experts=routed_experts)
         return _gather_rows(ray.get([w.logprobs.remote(data, temperature) for w in self.workers]), len(batch))
 
     def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
-                   is_weights: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None) -> dict[str, float]:
+                   is_weights: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
+                   routed_experts: Optional[Tensor] = None) -> dict[str, float]:
         """plan.trainer.epochs_per_batch passes over the batch, one optimizer step per pass. Returns the
-        loss terms (global token means), grad_norm, lr, entropy, clip fraction, tokens and timings."""
+        loss terms (global token means), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE
+        models loss/moe_aux and, given the engine's `routed_experts` [B, T, layers, top_k] (replayed with
+        model.routing_replay), moe/routing_agreement."""
         self._require_trainable("train")
         _check_shapes(batch, advantages=advantages, old_logprobs=old_logprobs, loss_mask=loss_mask,
                       is_weights=is_weights, ref_logprobs=ref_logprobs)
+        _check_routes(batch, routed_experts)
         start = time.perf_counter()
         num_tokens = int(loss_mask.sum())
         data = self._put(batch, advantages=advantages.float(), old_logprobs=old_logprobs.float(),
-                         loss_mask=loss_mask.bool(), is_weights=is_weights, ref_logprobs=ref_logprobs)
+                         loss_mask=loss_mask.bool(), is_weights=is_weights, ref_logprobs=ref_logprobs,
+                         routed_experts=routed_experts)
         metrics = ray.get([w.train_step.remote(data, num_tokens) for w in self.workers])[0]
         self.step = metrics.pop("optimizer_steps")
         return metrics | {"tokens": num_tokens, "time/train_s": time.perf_counter() - start}
@@ -459,6 +524,18 @@ def _check_shapes(batch: TrainBatch, **tensors: Optional[Tensor]) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and tuple(tensor.shape) != expected:
             raise ValueError(f"train_step: {name} has shape {tuple(tensor.shape)}, the batch is {expected}")
+
+
+def _check_routes(batch: TrainBatch, routed_experts: Optional[Tensor]) -> None:
+    if routed_experts is None:
+        return
+    if routed_experts.dim() != 4 or routed_experts.shape[:2] != batch.token_ids.shape:
+        raise ValueError(
+            f"routed_experts has shape {tuple(routed_experts.shape)}; it must be [B, T, layers, top_k] with "
+            f"[B, T] = {tuple(batch.token_ids.shape)}, the batch's"
+        )
+    if routed_experts.is_floating_point() or not routed_experts.is_signed():
+        raise ValueError(f"routed_experts must be signed integers (-1: no route), got {routed_experts.dtype}")
 
 
 def _complete_checkpoints(root: str) -> list[str]:

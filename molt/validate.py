@@ -176,7 +176,6 @@ def validate(plan: Plan) -> list[str]:
 
     # Forward consistency: MoE routing and multimodal inputs.
     if m.routing_replay:
-        need(m.moe, f"model.routing_replay=true on a dense model (model={m.name}): set model.routing_replay=false")
         need(
             not sch.partial_rollout,
             "model.routing_replay=true with schedule.partial_rollout=true: a request resumed on new weights "
@@ -187,6 +186,19 @@ def validate(plan: Plan) -> list[str]:
             "model.routing_replay=true on parallel.device=cpu: vLLM-CPU cannot return routed experts (needs "
             "its model runner V2 with Triton); set model.routing_replay=false",
         )
+    moe_features = [key for key, on in (("model.routing_replay", m.routing_replay),
+                                         ("model.freeze_router", m.freeze_router),
+                                         ("loss.moe_aux_coef", loss.moe_aux_coef != 0)) if on]
+    need(loss.moe_aux_coef >= 0, f"loss.moe_aux_coef={loss.moe_aux_coef} must be >= 0")
+    need(
+        not moe_features or m.moe,
+        f"{', '.join(moe_features)} need an MoE model (model={m.name} is dense); turn them off",
+    )
+    need(
+        not moe_features or par.ep_size == 1,
+        f"{', '.join(moe_features)} hook the HF MoE router, which AutoModel cannot shard with expert parallel: "
+        f"with parallel.ep_size={par.ep_size} turn them off (or use parallel.ep_size=1)",
+    )
     need(
         not (m.multimodal and par.sequence_packing),
         "model.multimodal=true with parallel.sequence_packing=true is not supported: set parallel.sequence_packing=false",

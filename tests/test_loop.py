@@ -48,10 +48,10 @@ def test_async_schedule_trains_and_logs_every_stage(tmp_path):
     records = steps_log(tmp_path)
     assert summary["steps"] == 3 and [r["step"] for r in records] == [0, 1, 2]
     for key in ("timing/gen_wait", "timing/train", "timing/refit", "rollout/reward_mean", "mismatch/abs_max",
-                "staleness/mean", "loss/policy", "grad_norm", "throughput/trained_tokens_per_s"):
+                "staleness/mean", "loss/policy", "train/grad_norm", "throughput/trained_tokens_per_s"):
         assert key in records[0], key
-    # float32 engine and actor agree on the sampled tokens' log-probabilities
-    assert max(r["mismatch/abs_max"] for r in records) < 1e-3
+    # on the same weights the float32 engine and actor agree on the sampled tokens' log-probabilities
+    assert records[0]["staleness/max"] == 0 and records[0]["mismatch/abs_max"] < 1e-3
     # generation runs one batch ahead: the second batch was sampled before the first refit
     assert records[1]["staleness/max"] >= 1
     assert Path(summary["hf_export"], "config.json").exists()
@@ -86,7 +86,10 @@ def test_partial_rollout_tokens_straddle_a_refit(tmp_path):
     records = steps_log(tmp_path)
     assert max(r["staleness/max"] for r in records) >= 1
     assert max(r["rollout/mixed_version_frac"] for r in records) > 0, "some rollout carries two versions"
-    assert all(r["mismatch/abs_max"] < 1e-3 for r in records), "per-token behaviour logprobs are exact"
+    assert records[0]["mismatch/abs_max"] < 1e-3, "on the same weights engine and actor logprobs agree"
+    # tokens sampled under an older version differ from the trainer's log-probs: the per-token importance
+    # weights exp(old - rollout) that correct them are not 1
+    assert all(r["mismatch/abs_mean"] > 1e-4 for r in records if r["staleness/max"] >= 1)
 
 
 def test_gae_with_critic(tmp_path):
@@ -102,9 +105,12 @@ def test_on_policy_distillation(tmp_path):
 
 
 def run_molt(run_dir, *overrides: str) -> subprocess.Popen:
+    """molt-run in its own process group with its own local Ray (not the test session's)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.Popen(
-        [sys.executable, "-c", "from molt.cli import run; run()", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-c", "from molt.cli import run; run()", *overrides, "ray_address=local",
+         f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 
