@@ -43,8 +43,12 @@ def _run(cfg: DictConfig) -> None:
         print("molt: plan is valid (dry run: nothing started)")
         return
     from molt.loop import train  # Ray, vLLM and torch load only for a real launch
+    from molt.placement import PlacementError
 
-    train(plan, run_dir=HydraConfig.get().runtime.output_dir)
+    try:
+        train(plan, run_dir=HydraConfig.get().runtime.output_dir)
+    except PlacementError as e:
+        _reject(f"molt: {e}")
 
 
 def run() -> None:

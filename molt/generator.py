@@ -20,6 +20,7 @@ from typing import Optional
 import ray
 import torch
 
+from molt.placement import engine_resources
 from molt.plan import Plan, RolloutPlan
 from molt.trace import Sample
 
@@ -73,6 +74,10 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: i
         engine_args["weight_transfer_config"] = {"backend": CPU_BACKEND}
     else:
         engine_args["weight_transfer_config"] = {"backend": "nccl"}
+        if rollout.tensor_parallel_size * rollout.data_parallel_size > 1:
+            # Inside Molt's placement group vLLM would switch to its Ray executor and look for one GPU per
+            # bundle; its own worker processes on the GPUs Ray gave this actor are what the placement reserved.
+            engine_args["distributed_executor_backend"] = "mp"
     return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
 
 
@@ -184,15 +189,15 @@ class Generator:
         self.router = Router(len(engines))
 
     @classmethod
-    async def start(cls, plan: Plan) -> "Generator":
-        """Start the engines of `plan.rollout` on `plan.model.path` (Ray must be initialised)."""
+    async def start(cls, plan: Plan, placement: Optional[list] = None) -> "Generator":
+        """Start the engines of `plan.rollout` on `plan.model.path` (Ray must be initialised). `placement`: one
+        Ray scheduling strategy per engine (molt.placement.reserve); None lets Ray choose."""
         rollout = plan.rollout
         if rollout.engines < 1:
             raise ValueError(f"rollout.engines={rollout.engines}: need at least one engine")
         transfer = weight_transfer_backend(rollout, plan.parallel.device)
-        gpus = rollout.tensor_parallel_size * rollout.data_parallel_size if plan.parallel.device == "cuda" else 0
-        # On CPU vLLM binds its own cores (rollout.cpu_*), so the actor claims no Ray CPU.
-        engines = [RolloutEngine.options(num_cpus=0, num_gpus=gpus).remote() for _ in range(rollout.engines)]
+        strategies = placement or [None] * rollout.engines
+        engines = [RolloutEngine.options(**engine_resources(plan), scheduling_strategy=s).remote() for s in strategies]
         generator = cls(engines, transfer)
         try:
             await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed, plan.model.routing_replay) for e in engines))

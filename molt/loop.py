@@ -34,6 +34,7 @@ from molt.data import load_dataset
 from molt.estimators import ESTIMATORS, dynamic_filter
 from molt.generator import Generator
 from molt.losses import importance_weights, kl_penalty, mismatch_metrics
+from molt.placement import reserve
 from molt.plan import Plan
 from molt.tiny import build_tiny
 from molt.trace import Trajectory, check_token_identity, collate
@@ -210,12 +211,14 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
     rows = load_dataset(plan, agent, tokenizer, "train", size=plan.trainer.steps * plan.trainer.groups_per_step)
 
     async with contextlib.AsyncExitStack() as stack:  # stops whatever has started, in reverse order
-        generator = await Generator.start(plan)
+        placement = reserve(plan)  # checks the cluster against the plan, then holds each node's share
+        stack.callback(placement.release)
+        generator = await Generator.start(plan, placement.engines)
         stack.push_async_callback(generator.shutdown)
-        trainer = Trainer(plan)
+        trainer = Trainer(plan, placement=placement.policy)
         stack.callback(trainer.shutdown)
-        reference = Trainer(plan, trainable=False) if plan.reference.enabled else None
-        critic = Critic(plan) if plan.critic.enabled else None
+        reference = Trainer(plan, trainable=False, placement=placement.reference) if plan.reference.enabled else None
+        critic = Critic(plan, placement=placement.critic) if plan.critic.enabled else None
         for actor_group in (reference, critic):
             if actor_group:
                 stack.callback(actor_group.shutdown)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from molt import losses, routing
+from molt.placement import rank_resources
 from molt.plan import Plan, TrainerPlan
 from molt.trace import TrainBatch
 
@@ -392,7 +393,7 @@ class Trainer:
 
     worker_class = PolicyWorker
 
-    def __init__(self, plan: Plan, trainable: bool = True, num_cpus_per_rank: float = 0.5):
+    def __init__(self, plan: Plan, trainable: bool = True, placement: Optional[list] = None):
         if plan.trainer.micro_batch_size < 1 or plan.trainer.epochs_per_batch < 1:
             raise ValueError("trainer.micro_batch_size and trainer.epochs_per_batch must be at least 1")
         if plan.trainer.lr_schedule not in LR_SCHEDULES:
@@ -402,10 +403,12 @@ class Trainer:
         self.plan, self.trainable = plan, trainable
         path = plan.model.path if trainable else (plan.reference.path or plan.model.path)
         ranks = plan.parallel.actor_ranks
-        # On CPU fractional CPUs let several ranks and an engine share a small machine.
-        resources = {"num_gpus": 1} if plan.parallel.device == "cuda" else {"num_cpus": num_cpus_per_rank}
-        worker = ray.remote(self.worker_class).options(**resources)
-        self.workers = [worker.remote(plan, rank, ranks, path, trainable) for rank in range(ranks)]
+        # placement: one Ray scheduling strategy per rank (molt.placement.reserve); None lets Ray choose.
+        worker = ray.remote(self.worker_class)
+        self.workers = [
+            worker.options(**rank_resources(plan), scheduling_strategy=strategy).remote(plan, rank, ranks, path, trainable)
+            for rank, strategy in enumerate(placement or [None] * ranks)
+        ]
         try:
             address, port = ray.get(self.workers[0].master_address.remote())
             ray.get([w.setup.remote(address, port) for w in self.workers])
@@ -605,8 +608,8 @@ class Critic(Trainer):
 
     worker_class = CriticWorker
 
-    def __init__(self, plan: Plan, num_cpus_per_rank: float = 0.5):
-        super().__init__(plan, trainable=True, num_cpus_per_rank=num_cpus_per_rank)
+    def __init__(self, plan: Plan, placement: Optional[list] = None):
+        super().__init__(plan, trainable=True, placement=placement)
 
     def values(self, batch: TrainBatch) -> Tensor:
         """V_t [B, T] for every action position (0 elsewhere): the old values for GAE and value clipping."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from molt.estimators import ESTIMATORS
 from molt.losses import POLICY_LOSSES
+from molt.placement import PlacementError, layout
 from molt.plan import GROUP_ESTIMATORS, Plan
 
 CHOICES = {
@@ -236,14 +237,10 @@ def validate(plan: Plan) -> list[str]:
             "rollout.weight_transfer=nccl needs GPUs; on parallel.device=cpu use auto or cpu",
         )
         need(m.dtype == "float32", f"model.dtype={m.dtype} on CPU: use float32 so actor and engine logprobs agree")
-    else:
-        engine_gpus = ro.engines * ro.tensor_parallel_size * ro.data_parallel_size
-        available = par.nodes * par.gpus_per_node
-        need(
-            par.actor_ranks + engine_gpus <= available,
-            f"the plan needs parallel.actor_ranks + rollout.engines x tensor_parallel_size x data_parallel_size "
-            f"= {par.actor_ranks} + {engine_gpus} GPUs but parallel.nodes x gpus_per_node = {available}",
-        )
+    try:
+        layout(plan)  # every rank and engine on a node of the plan, each engine whole
+    except PlacementError as e:
+        problems.append(str(e))
 
     # Agents and data.
     need(
