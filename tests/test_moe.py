@@ -184,7 +184,7 @@ def expert_weights(state):
 def test_trainer_replays_routes_and_logs_moe_metrics(moe_path, model):
     batch = make_batch()
     routes = captured_routes(model, batch)
-    trainer = Trainer(make_plan(moe_path, routing_replay=True), num_cpus_per_rank=1)
+    trainer = Trainer(make_plan(moe_path, routing_replay=True))
     try:
         own = trainer.logprobs(batch, 1.0)
         torch.testing.assert_close(trainer.logprobs(batch, 1.0, routes.to(torch.int16)), own, rtol=0, atol=1e-6)
@@ -219,7 +219,7 @@ def test_frozen_router_stays_bit_identical_and_aux_loss_enters_the_loss(moe_path
     plan = make_plan(moe_path, freeze_router=True)
     plan.loss.moe_aux_coef = 0.1
     batch = make_batch()
-    trainer = Trainer(plan, num_cpus_per_rank=1)
+    trainer = Trainer(plan)
     try:
         initial = trainer.state_dict()
         old = trainer.logprobs(batch, 1.0)
@@ -241,7 +241,7 @@ def test_frozen_router_stays_bit_identical_and_aux_loss_enters_the_loss(moe_path
 def test_routing_options_on_a_dense_model_fail_at_start(tmp_path):
     plan = make_plan(build_tiny("dense", str(tmp_path / "dense")), freeze_router=True)
     with pytest.raises(Exception, match="model.routing_replay / model.freeze_router / loss.moe_aux_coef"):
-        Trainer(plan, num_cpus_per_rank=1)
+        Trainer(plan)
 
 
 # ---- On GPU: the engine's own routes (vLLM's routed_experts), replayed in the actor ----
