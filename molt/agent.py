@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +118,7 @@ async def run_env_rollout(env_cls: type[Env], row: dict, generator, tokenizer, p
             _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, group_id), plan.agent.timeout_s
         )
     except TimeoutError:
-        raise RolloutFailed(f"rollout {rollout_id} ran over agent.timeout_s={plan.agent.timeout_s}") from None
+        raise RolloutFailed(f"ran over agent.timeout_s={plan.agent.timeout_s}: rollout {rollout_id}") from None
     finally:
         generator.end_session(rollout_id)
 
@@ -174,7 +175,7 @@ async def run_chat_rollout(agent_cls: type[ChatAgent], row: dict, server, plan: 
     try:
         result = await asyncio.wait_for(agent_cls().run(ctx), plan.agent.timeout_s)
     except TimeoutError:
-        raise RolloutFailed(f"rollout {rollout_id} ran over agent.timeout_s={plan.agent.timeout_s}") from None
+        raise RolloutFailed(f"ran over agent.timeout_s={plan.agent.timeout_s}: rollout {rollout_id}") from None
     except Exception as e:
         raise RolloutFailed(f"{agent_cls.__name__}.run raised {type(e).__name__}: {e}") from e
     finally:
@@ -187,10 +188,15 @@ async def run_chat_rollout(agent_cls: type[ChatAgent], row: dict, server, plan: 
 
 
 def _check_result(result: Any, where: str) -> None:
+    # Reasons read "<kind>: <detail>": the loop counts failed rollouts by the part before the colon.
     if not isinstance(result, Result):
         raise RolloutFailed(f"{where} returned {type(result).__name__}, not a molt.agent.Result")
     if not isinstance(result.reward, (int, float)):
-        raise RolloutFailed(f"{where} returned reward={result.reward!r}; it must be a number")
+        raise RolloutFailed(f"{where} returned a reward that is not a number: {result.reward!r}")
+    if not math.isfinite(result.reward):  # one NaN reward would make every advantage of its batch NaN
+        raise RolloutFailed(f"{where} returned a non-finite reward: {result.reward!r}")
+    if not isinstance(result.info, dict):
+        raise RolloutFailed(f"{where} returned info that is not a dict: {type(result.info).__name__}")
     if result.images:
         raise RolloutFailed(f"{where} returned images; the rollout path sends text only")
 

@@ -16,6 +16,10 @@ and a request that does not extend the previous one opens a new segment. Repeati
 returns the same answer without generating. Tool calls are read from the model's text in the Qwen format,
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Sampling follows rollout.temperature / top_p /
 top_k; a request asking for other values, or for parameters the server does not honour, gets a 400.
+
+Every bad request gets a 4xx naming what is wrong: 400, 404 (unknown or finished session), 413 (a body
+over MAX_BODY_BYTES), 429 (more than MAX_REQUESTS_PER_SESSION requests at once on one session). Nothing in
+a request is fetched or opened: image and URL content is refused, never read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,6 +40,11 @@ from molt.plan import Plan
 from molt.trace import Sample
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+# Bounds on what agents can hold open: sessions (one per rollout in flight; more means a leak) and requests
+# in progress per session (they run one at a time; more waiting ones would only hold bodies in memory).
+MAX_SESSIONS = 4096
+MAX_REQUESTS_PER_SESSION = 4
+ANTHROPIC_ERRORS = {404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}  # error types by status
 # Parameters accepted (the rest get a 400). Sampling values must equal the plan's (_check_params).
 OPENAI_PARAMS = {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "max_tokens",
                  "max_completion_tokens", "temperature", "top_p", "n", "stream", "user", "metadata", "store"}
@@ -65,6 +76,7 @@ class Session:
     rollout_id: str
     conversation: Conversation
     turns: int = 0
+    requests: int = 0  # requests in progress, at most MAX_REQUESTS_PER_SESSION
     truncated: bool = False  # a request hit agent.max_turns or rollout.max_model_len
     closed: bool = False
     last_request: Any = None
@@ -108,7 +120,10 @@ class ChatServer:
         await self.stop()
 
     def open_session(self, rollout_id: str, group_id: str) -> Session:
-        session_id = secrets.token_urlsafe(16)
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise RuntimeError(f"{len(self.sessions)} chat sessions are open (MAX_SESSIONS={MAX_SESSIONS}); "
+                               "close each finished rollout's session with close_session")
+        session_id = secrets.token_urlsafe(16)  # 128 random bits: the URL is the only credential
         conversation = Conversation(self.tokenizer, rollout_id, group_id)
         session = Session(session_id, f"http://127.0.0.1:{self.port}/s/{session_id}", rollout_id, conversation)
         self.sessions[session_id] = session
@@ -125,9 +140,10 @@ class ChatServer:
 
     async def _openai(self, request: web.Request) -> web.Response:
         try:
-            session, body = await self._session_and_body(request)
-            messages, tools, max_tokens = self._openai_request(body)
-            turn = await self._complete(session, ("openai", body), messages, tools, max_tokens)
+            with self._admit(request) as session:
+                body = await self._body(request)
+                messages, tools, max_tokens = self._openai_request(body)
+                turn = await self._complete(session, ("openai", body), messages, tools, max_tokens)
         except (DataError, RequestError) as e:  # DataError: a malformed message or tool schema
             status = e.status if isinstance(e, RequestError) else 400
             error = {"message": str(e), "type": "invalid_request_error", "param": None, "code": None}
@@ -136,26 +152,41 @@ class ChatServer:
 
     async def _anthropic(self, request: web.Request) -> web.Response:
         try:
-            session, body = await self._session_and_body(request)
-            messages, tools, max_tokens = self._anthropic_request(body)
-            turn = await self._complete(session, ("anthropic", body), messages, tools, max_tokens)
+            with self._admit(request) as session:
+                body = await self._body(request)
+                messages, tools, max_tokens = self._anthropic_request(body)
+                turn = await self._complete(session, ("anthropic", body), messages, tools, max_tokens)
         except (DataError, RequestError) as e:
             status = e.status if isinstance(e, RequestError) else 400
-            kind = "not_found_error" if status == 404 else "invalid_request_error"
+            kind = ANTHROPIC_ERRORS.get(status, "invalid_request_error")
             return web.json_response({"type": "error", "error": {"type": kind, "message": str(e)}}, status=status)
         return web.json_response(self._anthropic_response(turn))
 
-    async def _session_and_body(self, request: web.Request) -> tuple[Session, dict]:
+    @contextmanager
+    def _admit(self, request: web.Request) -> Iterator[Session]:
+        """The request's session, with the request counted in its `requests` until it is answered."""
         session = self.sessions.get(request.match_info["session"])
         if session is None:
             raise RequestError(404, "unknown or finished session: use the base_url of a running rollout")
+        if session.requests >= MAX_REQUESTS_PER_SESSION:
+            raise RequestError(429, f"{session.requests} requests of this session are in progress; a session "
+                                    "answers one request at a time, send the next when one is answered")
+        session.requests += 1
         try:
-            body = await request.json()  # over MAX_BODY_BYTES: aiohttp answers 413
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+            yield session
+        finally:
+            session.requests -= 1
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError(413, f"the request body is over {MAX_BODY_BYTES} bytes") from None
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply, a huge integer
+            raise RequestError(400, f"the request body is not valid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        return session, body
+        return body
 
     def _check_params(self, body: dict, accepted: set[str]) -> Optional[int]:
         """Checks both APIs share; returns the requested max_tokens (None = the per-turn budget)."""
@@ -198,6 +229,8 @@ class ChatServer:
             raise RequestError(400, "'messages' must be a list of messages")
         for i, message in enumerate(body["messages"]):
             messages += _from_anthropic(message, f"request: messages[{i}]")
+        if not isinstance(body.get("tools") or [], list):
+            raise RequestError(400, "'tools' must be a list of tools")
         tools = []
         for i, tool in enumerate(body.get("tools") or []):
             if not isinstance(tool, dict) or "input_schema" not in tool:
@@ -299,6 +332,8 @@ def _from_anthropic(message: Any, where: str) -> list[dict]:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
+            if not isinstance(block.get("text", ""), str):
+                raise RequestError(400, f"{where}.content[{j}].text must be a string")
             texts.append(block.get("text", ""))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id"), "type": "function",

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Any, Optional
+
+from jinja2 import TemplateError
 
 from molt.plan import Plan
 from molt.trace import Sample, Trajectory
@@ -53,6 +56,8 @@ def normalize_messages(messages: Any, where: str) -> list[dict]:
             raise DataError(f"{at}.role is {role!r}; use one of {', '.join(ROLES)}")
         out = {"role": role, "content": _text(message.get("content"), f"{at}.content")}
         if role == "assistant" and message.get("tool_calls"):
+            if not isinstance(message["tool_calls"], list):
+                raise DataError(f"{at}.tool_calls must be a list of tool calls")
             out["tool_calls"] = [
                 _tool_call(call, f"{at}.tool_calls[{j}]") for j, call in enumerate(message["tool_calls"])
             ]
@@ -67,8 +72,10 @@ def _text(content: Any, where: str) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str) for p in content
+    ):
+        return "".join(p.get("text", "") for p in content)
     raise DataError(f"{where} must be a string or a list of text parts (images go in the row's 'images')")
 
 
@@ -118,7 +125,9 @@ def validate_row(row: Any, where: str) -> None:
         raise DataError(
             f"{where}: unknown field {unknown[0]!r}; a row has {', '.join(ROW_FIELDS)} (task data goes in 'label')"
         )
-    normalize_messages(row.get("messages"), where)
+    messages = normalize_messages(row.get("messages"), where)
+    if not any(message["content"].strip() or message.get("tool_calls") for message in messages):
+        raise DataError(f"{where}: field 'messages': every message is empty; a prompt needs some text")
     normalize_tools(row.get("tools"), where)
     images = row.get("images", [])
     if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
@@ -127,12 +136,21 @@ def validate_row(row: Any, where: str) -> None:
 
 def render(tokenizer, messages: list[dict], tools: Optional[list[dict]], add_generation_prompt: bool,
            chat_template: bool = True) -> str:
-    """Normalized messages -> prompt text. Without a chat template (base models) the contents are joined."""
-    if not chat_template:
-        return "".join(message["content"] for message in messages)
-    return tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+    """Normalized messages -> prompt text. Without a chat template (base models) the contents are joined.
+    A conversation the template refuses, or text the tokenizer cannot take, is a DataError."""
+    try:
+        if not chat_template:
+            text = "".join(message["content"] for message in messages)
+        else:
+            text = tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        text.encode("utf-8")  # a lone surrogate (the JSON escape "\ud800") would fail inside the tokenizer
+    except TemplateError as e:  # the template's raise_exception, e.g. on a role order it does not accept
+        raise DataError(f"the chat template refused the messages: {e}") from None
+    except UnicodeEncodeError:
+        raise DataError("the messages are not valid unicode (a lone surrogate such as \\ud800)") from None
+    return text
 
 
 def render_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]],
@@ -145,58 +163,77 @@ def render_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]],
 def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> list[dict]:
     """The validated rows of `split` ("train" or "eval").
 
-    Read from data.train_path / data.eval_path when set, else `size` rows from the agent module's
-    `dataset(split, size, seed)`. For an Env each row gets `prompt_ids`, its rendered prompt; a ChatAgent's
-    rows stay as they are (the chat server renders what the agent sends). A bad row (wrong format, or a
-    prompt over data.max_prompt_tokens) is an error naming it, or skipped with data.bad_rows=skip.
+    Read from data.train_path / data.eval_path when set (row N = line N of the file), else `size` rows from
+    the agent module's `dataset(split, size, seed)`. For an Env each row gets `prompt_ids`, its rendered
+    prompt; a ChatAgent's rows stay as they are (the chat server renders what the agent sends). A bad row
+    (not JSON, wrong format, an empty prompt, or one over data.max_prompt_tokens) is an error naming the row
+    and field, or with data.bad_rows=skip it is skipped and the skipped rows are counted on stderr.
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: use 'train' or 'eval'")
     path = plan.data.train_path if split == "train" else plan.data.eval_path
     if path is not None:
-        rows, source = _read_jsonl(path), path
+        numbered, source = _read_lines(path), path
     elif hasattr(agent_module, "dataset"):
-        rows, source = agent_module.dataset(split, size, plan.seed), f"{agent_module.__name__}.dataset"
+        numbered = list(enumerate(agent_module.dataset(split, size, plan.seed), start=1))
+        source = f"{agent_module.__name__}.dataset"
     else:
         raise DataError(
             f"data.{split}_path is not set and agent module {agent_module.__name__} has no dataset(split, size, "
             f"seed): set data.{split}_path to a JSONL file"
         )
     chat_template = plan.data.apply_chat_template
-    kept = []
-    for number, row in enumerate(rows, start=1):
+    kept, skipped = [], []
+    for number, row in numbered:
         where = f"{source} row {number}"
         try:
+            if isinstance(row, bytes):  # a line of the JSONL file
+                row = _parse_line(row, where)
             validate_row(row, where)
             if row.get("images"):
                 raise DataError(f"{where}: field 'images': the rollout path sends text only; remove the images")
             messages, tools = normalize_messages(row["messages"], where), normalize_tools(row.get("tools"), where)
-            prompt_ids = render_prompt(tokenizer, messages, tools, chat_template)
+            try:
+                prompt_ids = render_prompt(tokenizer, messages, tools, chat_template)
+            except DataError as e:
+                raise DataError(f"{where}: field 'messages': {e}") from None
             if len(prompt_ids) > plan.data.max_prompt_tokens:
                 raise DataError(
                     f"{where}: field 'messages' renders to {len(prompt_ids)} prompt tokens, over "
                     f"data.max_prompt_tokens={plan.data.max_prompt_tokens}"
                 )
-        except DataError:
+        except DataError as e:
             if plan.data.bad_rows == "skip":
+                skipped.append(str(e))
                 continue
             raise
         kept.append({**row, "prompt_ids": prompt_ids} if plan.agent.form == "env" else row)
+    if skipped:
+        print(f"molt: data: skipped {len(skipped)} of {len(numbered)} rows of {source} (data.bad_rows=skip); "
+              f"the first: {skipped[0]}", file=sys.stderr, flush=True)
     if not kept:
         raise DataError(f"{source}: no usable rows for split {split!r}")
     return kept
 
 
-def _read_jsonl(path: str) -> list:
-    rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path} row {number}: not valid JSON ({e})") from None
-    return rows
+def _read_lines(path: str) -> list[tuple[int, bytes]]:
+    """The non-blank lines of a JSONL file with their line numbers."""
+    try:
+        with open(path, "rb") as f:
+            return [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    except OSError as e:
+        raise DataError(f"cannot read dataset file {path}: {e.strerror}") from None
+
+
+def _parse_line(line: bytes, where: str) -> Any:
+    try:
+        return json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise DataError(f"{where}: not UTF-8 text") from None
+    except ValueError as e:  # invalid JSON, or a number too long to convert
+        raise DataError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply") from None
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:

@@ -108,7 +108,8 @@ class RolloutPool:
                 return
         self.finished_rollouts += len(results)
         failed = sum(self.failed.values())
-        if failed > self.plan.agent.max_failure_fraction * max(self.finished_rollouts, self.allowed):
+        # judged over at least one step's worth of rollouts (self.allowed counts groups, not rollouts)
+        if failed > self.plan.agent.max_failure_fraction * max(self.finished_rollouts, self.plan.rollouts_per_step):
             self.ready.put_nowait(RuntimeError(
                 f"{failed} of {self.finished_rollouts} rollouts failed (over agent.max_failure_fraction="
                 f"{self.plan.agent.max_failure_fraction}); reasons: {dict(self.failed)}"
@@ -131,6 +132,7 @@ class RolloutPool:
         while len(groups) < self.plan.trainer.groups_per_step:
             item = await self.ready.get()
             if isinstance(item, BaseException):
+                self.reissue.extendleft(g.index for g in reversed(groups))  # taken but not trained: redo on resume
                 raise item
             groups.append(item)
         return groups
@@ -256,7 +258,8 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         rewards_by_step = []
         for step in range(state["step"], plan.trainer.steps):
             try:
-                metrics, groups = await optimizer_step(plan, pool, generator, trainer, reference, critic, version)
+                metrics, groups, engine_died = await optimizer_step(plan, pool, generator, trainer, reference, critic,
+                                                                    version)
             except EngineDied as e:  # documented choice: keep what was learned, stop, resume later
                 await save_checkpoint(step)
                 raise RuntimeError(f"{e}; wrote a checkpoint at step {step} in {checkpoints}: run again in "
@@ -271,8 +274,12 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                 log.write(json.dumps({"step": step, "groups": [g.index for g in groups], **metrics}) + "\n")
             if plan.logger.console:
                 print(console_line(step, plan.trainer.steps, metrics), flush=True)
-            if (plan.checkpoint.every and (step + 1) % plan.checkpoint.every == 0) or step + 1 == plan.trainer.steps:
+            due = (plan.checkpoint.every and (step + 1) % plan.checkpoint.every == 0) or step + 1 == plan.trainer.steps
+            if due or engine_died:  # a step trained before its weight update failed is kept
                 await save_checkpoint(step + 1)
+            if engine_died:
+                raise RuntimeError(f"{engine_died}; wrote a checkpoint at step {step + 1} in {checkpoints}: run again "
+                                   f"in the same directory (hydra.run.dir={run_dir}) to resume") from engine_died
 
         summary = {"steps": len(rewards_by_step), "reward_by_step": rewards_by_step,
                    "wall_s": time.perf_counter() - started, "groups_dropped": dict(pool.dropped),
@@ -299,9 +306,10 @@ def check_writable(directory: str) -> None:
 
 async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, trainer: Trainer,
                          reference: Trainer | None, critic: Critic | None,
-                         version: int) -> tuple[dict[str, float], list[Group]]:
+                         version: int) -> tuple[dict[str, float], list[Group], EngineDied | None]:
     """One optimizer step, stage by stage; every stage's wall time is a `timing/*` metric. Returns the
-    step's metrics and the groups it trained on."""
+    step's metrics, the groups it trained on, and EngineDied if an engine died in the weight update after
+    the step (the step itself is done)."""
     t0 = time.perf_counter()
     groups = await pool.next_batch()
     t_batch = time.perf_counter()
@@ -340,8 +348,12 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
         train_metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
     t_train = time.perf_counter()
 
+    engine_died = None
     if (version + 1) % plan.schedule.refit_every == 0:
-        await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout)
+        try:
+            await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout)
+        except ray.exceptions.RayActorError as e:  # the update is made: the loop records the step, then stops
+            engine_died = EngineDied(f"a rollout engine died during the weight update: {e}")
     t_end = time.perf_counter()
 
     step_s = t_end - t0
@@ -361,7 +373,7 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
         "timing/step": step_s,
         "throughput/trained_tokens_per_s": trained_tokens / step_s,
     }
-    return metrics, groups
+    return metrics, groups, engine_died
 
 
 async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> None:
