@@ -341,7 +341,7 @@ def load_plan(source: str, overrides: Sequence[str] = (), force: bool = False,
     if (removed or added) and not force:
         lines = [f"  - {key}: no longer in the plan schema" for key in removed]
         lines += [f"  - {key}: new in the plan schema since that run" for key in added]
-        raise RecordError(f"the run's plan does not fit the current schema (molt changed since); rerun with "
+        raise RecordError("the run's plan does not fit the current schema (molt changed since); rerun with "
                           "--force to drop removed keys and use current defaults for new ones:\n" + "\n".join(lines))
     for key in removed:
         *parents, last = key.split(".")

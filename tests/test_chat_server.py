@@ -4,7 +4,6 @@ the stock SDKs read it), unknown sessions a 404, oversized bodies a 413, and the
 requests that generate are tested on the real engine in test_agent.py.
 """
 
-import asyncio
 import json
 import socket
 
@@ -20,13 +19,6 @@ from molt.plan import ModelPlan, Plan, RolloutPlan
 from molt.tiny import build_tiny
 
 HELLO = [{"role": "user", "content": "What is 3 + 4?"}]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")

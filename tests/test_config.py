@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 from molt.cli import CONF_DIR
 from molt.plan import Plan, PlanError, to_plan
 from molt.validate import validate
+from runs import compose_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUPS = {
@@ -25,9 +25,7 @@ GROUPS = {
 }
 
 
-def make_plan(*overrides: str) -> Plan:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_plan(compose(config_name="config", overrides=list(overrides)))
+
 
 
 def test_groups_named_in_the_issue_exist():
@@ -43,7 +41,7 @@ def test_groups_named_in_the_issue_exist():
 
 
 def test_default_plan_is_valid_and_typed():
-    plan = make_plan()
+    plan = compose_plan()
     assert isinstance(plan, Plan)
     assert (plan.model.name, plan.parallel.device, plan.estimator.name, plan.loss.name, plan.schedule.name) == (
         "tiny", "cpu", "reinforce_pp", "ppo", "async"
@@ -53,7 +51,7 @@ def test_default_plan_is_valid_and_typed():
 
 
 def test_group_choice_and_overrides_reach_the_plan():
-    plan = make_plan("model=qwen35b_moe", "parallel=ep64", "estimator=rloo", "trainer.lr=3e-6")
+    plan = compose_plan("model=qwen35b_moe", "parallel=ep64", "estimator=rloo", "trainer.lr=3e-6")
     assert plan.model.num_experts == 256 and plan.parallel.ep_size == 64 and plan.estimator.name == "rloo"
     assert plan.rollout.dtype == "bfloat16", "parallel=ep64 selects the GPU engine settings"
     assert plan.trainer.lr == pytest.approx(3e-6)
@@ -62,7 +60,7 @@ def test_group_choice_and_overrides_reach_the_plan():
 
 @pytest.mark.parametrize("recipe", GROUPS["experiment"])
 def test_every_recipe_validates(recipe):
-    plan = make_plan(f"experiment={recipe}")
+    plan = compose_plan(f"experiment={recipe}")
     assert plan.recipe == recipe
     assert validate(plan) == []
 
@@ -70,7 +68,7 @@ def test_every_recipe_validates(recipe):
 def composition_error(*overrides: str) -> str:
     """The message Hydra (at compose time) or to_plan (at conversion) gives for a bad override."""
     with pytest.raises((PlanError, HydraException)) as error:
-        make_plan(*overrides)
+        compose_plan(*overrides)
     return str(error.value) + str(error.value.__cause__ or "")
 
 
@@ -145,13 +143,13 @@ RULES = [
 
 @pytest.mark.parametrize("bad,fix,key", RULES, ids=[rule[2] + "|" + ",".join(rule[0]) for rule in RULES])
 def test_each_rule_fails_and_its_fix_passes(bad, fix, key):
-    problems = validate(make_plan(*bad))
+    problems = validate(compose_plan(*bad))
     assert any(key in p for p in problems), problems
-    assert validate(make_plan(*bad, *fix)) == []
+    assert validate(compose_plan(*bad, *fix)) == []
 
 
 def test_all_violations_are_reported_at_once():
-    problems = validate(make_plan("estimator=gae", "rollout.top_p=0.5", "loss.dual_clip=0.5"))
+    problems = validate(compose_plan("estimator=gae", "rollout.top_p=0.5", "loss.dual_clip=0.5"))
     assert len(problems) == 3
     assert any("critic.enabled" in p for p in problems) and any("rollout.top_p" in p for p in problems)
 
@@ -177,7 +175,7 @@ OVERRIDE_POOL = [
 def test_any_composition_is_a_valid_plan_or_an_error_naming_keys(choices, overrides):
     args = [f"{group}={name}" for group, name in choices.items()] + overrides
     try:
-        plan = make_plan(*args)
+        plan = compose_plan(*args)
     except PlanError as e:
         assert "config key '" in str(e) and "'?'" not in str(e)
         return

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from hydra import compose, initialize_config_dir
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from molt.cli import CONF_DIR
 from molt.placement import PlacementError, check_cluster, layout
-from molt.plan import ParallelPlan, Plan, RolloutPlan, to_plan
+from molt.plan import ParallelPlan, Plan, RolloutPlan
+from runs import compose_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINERS = ROOT / "containers"
@@ -36,9 +35,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([0-9][^\s\"',;\\)]*)")
 
 
-def make_plan(*overrides: str) -> Plan:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_plan(compose(config_name="config", overrides=list(overrides)))
+
 
 
 # ---- containers: every version comes from pyproject.toml ----
@@ -123,24 +120,24 @@ def test_worker_script_without_address_prints_usage():
      [{"CPU": 8, "GPU": 8}] * 8 + [{"GPU": 8}] * 8),
 ])
 def test_gpu_layouts_put_ranks_first_then_whole_engines(parallel, ranks, engines, bundles):
-    lay = layout(make_plan(f"parallel={parallel}"))
+    lay = layout(compose_plan(f"parallel={parallel}"))
     assert lay.ranks == {"policy": ranks} and lay.engines == engines and lay.bundles == bundles
 
 
 def test_cpu_layout_shares_the_nodes_evenly():
-    one = layout(make_plan())
+    one = layout(compose_plan())
     assert (one.ranks, one.engines, one.bundles) == ({"policy": [0]}, [0], [{"CPU": 0.5}])
-    two = layout(make_plan("parallel.nodes=2"))
+    two = layout(compose_plan("parallel.nodes=2"))
     # the engine claims no CPU: its node holds a token share (Ray refuses an all-zero bundle)
     assert (two.ranks, two.engines, two.bundles) == ({"policy": [0]}, [1], [{"CPU": 0.5}, {"CPU": 0.01}])
-    groups = layout(make_plan("parallel.nodes=2", "reference.enabled=true", "critic.enabled=true"))
+    groups = layout(compose_plan("parallel.nodes=2", "reference.enabled=true", "critic.enabled=true"))
     assert groups.ranks == {"policy": [0], "reference": [0], "critic": [1]} and groups.engines == [1]
     assert groups.bundles == [{"CPU": 1.0}, {"CPU": 0.5}]
 
 
 def test_reference_and_critic_ranks_need_gpus_too():
     with pytest.raises(PlacementError) as error:
-        layout(make_plan("parallel=fsdp8", "reference.enabled=true"))
+        layout(compose_plan("parallel=fsdp8", "reference.enabled=true"))
     message = str(error.value)
     assert "needs 24 GPUs" in message and "parallel.actor_ranks=8 x 2 actor groups (policy, reference)" in message
     assert "parallel.nodes x gpus_per_node = 2 x 8 = 16" in message
@@ -148,7 +145,7 @@ def test_reference_and_critic_ranks_need_gpus_too():
 
 def test_an_engine_larger_than_a_node_is_refused():
     with pytest.raises(PlacementError) as error:
-        layout(make_plan("parallel=fsdp8", "parallel.nodes=4", "rollout.engines=1", "rollout.tensor_parallel_size=8",
+        layout(compose_plan("parallel=fsdp8", "parallel.nodes=4", "rollout.engines=1", "rollout.tensor_parallel_size=8",
                          "rollout.data_parallel_size=2"))  # 24 of 32 GPUs, but 16 for one engine
     assert "rollout.tensor_parallel_size x data_parallel_size = 16" in str(error.value)
     assert "parallel.gpus_per_node=8" in str(error.value)
@@ -156,7 +153,7 @@ def test_an_engine_larger_than_a_node_is_refused():
 
 def test_engines_that_fit_only_split_across_nodes_are_refused():
     # 6 ranks + 3 engines x 3 GPUs = 15 of 2 x 8 GPUs, but the third engine would straddle two nodes
-    plan = make_plan("parallel=fsdp8", "parallel.actor_ranks=6", "rollout.engines=3", "rollout.tensor_parallel_size=3")
+    plan = compose_plan("parallel=fsdp8", "parallel.actor_ranks=6", "rollout.engines=3", "rollout.tensor_parallel_size=3")
     with pytest.raises(PlacementError, match=r"rollout.engines=3 of 3 GPUs each do not fit whole"):
         layout(plan)
 
@@ -171,7 +168,7 @@ def nodes(*resources: dict, dead: int = 0) -> list[dict]:
 
 
 def test_cluster_with_too_few_gpus_is_refused_naming_the_keys():
-    plan = make_plan("parallel=fsdp8")
+    plan = compose_plan("parallel=fsdp8")
     with pytest.raises(PlacementError) as error:
         check_cluster(plan, layout(plan), nodes({"CPU": 64, "GPU": 8}, dead=1))
     assert str(error.value) == (
@@ -182,7 +179,7 @@ def test_cluster_with_too_few_gpus_is_refused_naming_the_keys():
 
 
 def test_cluster_whose_nodes_are_smaller_than_the_plans_is_refused():
-    plan = make_plan("parallel=fsdp8")
+    plan = compose_plan("parallel=fsdp8")
     with pytest.raises(PlacementError) as error:  # 16 GPUs in all, but 4 per node
         check_cluster(plan, layout(plan), nodes(*[{"CPU": 64, "GPU": 4}] * 4))
     assert "parallel.gpus_per_node=8" in str(error.value) and "[GPU 4, CPU 64]" in str(error.value)
@@ -191,13 +188,13 @@ def test_cluster_whose_nodes_are_smaller_than_the_plans_is_refused():
 
 
 def test_cpu_cluster_checks_count_half_a_cpu_per_rank():
-    plan = make_plan("parallel.actor_ranks=4")
+    plan = compose_plan("parallel.actor_ranks=4")
     with pytest.raises(PlacementError) as error:
         check_cluster(plan, layout(plan), nodes({"CPU": 1}))
     assert str(error.value) == (
         "the plan needs 2 CPUs (parallel.actor_ranks=4 x 0.5 CPU; vLLM-CPU engines claim none) but the cluster has 1"
     )
-    two_nodes = make_plan("parallel.nodes=2")
+    two_nodes = compose_plan("parallel.nodes=2")
     with pytest.raises(PlacementError, match="parallel.nodes=2"):
         check_cluster(two_nodes, layout(two_nodes), nodes({"CPU": 2}, dead=1))
     check_cluster(two_nodes, layout(two_nodes), nodes({"CPU": 2}, {"CPU": 2}))

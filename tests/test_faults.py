@@ -7,51 +7,31 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
 import socket
 import subprocess
-import sys
 import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
 import psutil
 import pytest
-from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
 from molt.agent import Result, RolloutFailed, _check_result
-from molt.cli import CONF_DIR
 from molt.data import DataError, load_dataset
 from molt.loop import RolloutPool, train
-from molt.plan import DataPlan, Plan, to_plan
+from molt.plan import DataPlan, Plan
 from molt.tiny import build_tiny
 from molt.trainer import latest_checkpoint
-from molt.validate import validate
 
 import faulty_agent
+from runs import check_prompt_stream, kill_tree, run_molt, steps_log, valid_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULTY_AGENT = str(Path(__file__).with_name("faulty_agent.py"))
 SHORT = ["trainer.steps=3", "trainer.groups_per_step=4", "rollout.samples_per_prompt=2",
          "trainer.micro_batch_size=8", "checkpoint.export_hf=false"]
-
-
-def make_plan(*overrides: str) -> Plan:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        plan = to_plan(compose(config_name="config", overrides=list(overrides)))
-    assert validate(plan) == []
-    return plan
-
-
-def steps_log(run_dir) -> list[dict]:
-    """The last record of each step in run_dir/steps.jsonl (a resumed run rewrites the steps it repeats)."""
-    records = {}
-    for line in Path(run_dir, "steps.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        records[record["step"]] = record
-    return [records[step] for step in sorted(records)]
 
 
 def closed_port() -> int:
@@ -77,7 +57,7 @@ def faulty_run(local_ray, tmp_path_factory):
     hanging rollouts time out: test_too_many_failed_rollouts_stop_the_run counts those."""
     run_dir = tmp_path_factory.mktemp("faulty_run")
     port = closed_port()
-    plan = make_plan(*SHORT, f"agent.path={FAULTY_AGENT}", "agent.name=faulty", "agent.timeout_s=4",
+    plan = valid_plan(*SHORT, f"agent.path={FAULTY_AGENT}", "agent.name=faulty", "agent.timeout_s=4",
                      "agent.max_failure_fraction=0.75", "logger=mlflow",
                      f"logger.mlflow.tracking_uri=http://127.0.0.1:{port}")
     stderr = io.StringIO()
@@ -122,7 +102,7 @@ def test_too_many_failed_rollouts_stop_the_run(local_ray, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {a} + 1?"}],
                                         "label": {"answer": a + 1, "fault": "hang"}}) + "\n" for a in range(4)))
-    plan = make_plan(*SHORT, f"agent.path={FAULTY_AGENT}", "agent.name=faulty", f"data.train_path={rows}",
+    plan = valid_plan(*SHORT, f"agent.path={FAULTY_AGENT}", "agent.name=faulty", f"data.train_path={rows}",
                      "agent.timeout_s=1", "logger=console")
     message = (r"rollouts failed \(over agent.max_failure_fraction=0.5\); reasons: "
                r"\{'ran over agent.timeout_s=1.0': \d+\}")
@@ -145,30 +125,6 @@ def test_malformed_results_are_failed_rollouts_with_a_reason(result, reason):
 
 
 # ---- a dead engine; interrupted checkpoints ------------------------------------------------------------
-
-
-def run_molt(run_dir, *overrides: str) -> subprocess.Popen:
-    """molt-run in its own process group with its own local Ray (not the test session's)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.Popen(
-        [sys.executable, "-c", "from molt.cli import run; run()", *overrides, "ray_address=local",
-         f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and all its descendants (Ray puts its workers in sessions of their own)."""
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def finish(process: subprocess.Popen, timeout: float) -> str:
@@ -231,17 +187,6 @@ def kill_engine_after_first_step(run_dir, started, overrides) -> tuple[str, str,
     return output, checkpoint, json.loads(Path(checkpoint, "extra.json").read_text())
 
 
-def check_prompt_stream(run_dir, steps: int) -> None:
-    """Each logged step trained distinct groups; every group issued so far was trained or is pending in the
-    newest checkpoint (groups finish in any order): none skipped, none trained twice."""
-    records = steps_log(run_dir)
-    assert [r["step"] for r in records] == list(range(steps))
-    trained = [index for r in records for index in r["groups"]]
-    assert len(trained) == len(set(trained)) == steps * 2, "no prompt group trained twice"
-    pool = json.loads(Path(latest_checkpoint(str(Path(run_dir, "checkpoints"))), "extra.json").read_text())["pool"]
-    assert sorted(trained + pool["reissue"]) == list(range(pool["next_index"])), "no prompt group skipped"
-
-
 @pytest.mark.slow
 def test_dead_engine_stops_the_run_with_a_checkpoint_and_the_run_resumes(tmp_path, started):
     """Documented choice: a dead engine stops the run after a checkpoint; rerunning in the directory resumes.
@@ -252,7 +197,7 @@ def test_dead_engine_stops_the_run_with_a_checkpoint_and_the_run_resumes(tmp_pat
     _, checkpoint, extra = kill_engine_after_first_step(tmp_path, started, overrides)
     step = extra["step"]
     assert step >= 1
-    check_prompt_stream(tmp_path, step)
+    check_prompt_stream(tmp_path, step, groups_per_step=2)
 
     unfinished = Path(tmp_path, "checkpoints", f"step_{step + 1:08d}")
     unfinished.mkdir()
@@ -267,7 +212,7 @@ def test_dead_engine_stops_the_run_with_a_checkpoint_and_the_run_resumes(tmp_pat
     output = finish(second, timeout=600)
     assert second.returncode == 0, output[-3000:]
     assert f"resumed from {checkpoint} at step {step}" in output
-    check_prompt_stream(tmp_path, 16)
+    check_prompt_stream(tmp_path, 16, groups_per_step=2)
 
 
 @pytest.mark.slow
@@ -279,7 +224,7 @@ def test_engine_dying_mid_generation_stops_the_run_with_every_group_accounted_fo
                  "model.path=${oc.env:HOME}/.cache/molt/tiny-dense"]
     _, _, extra = kill_engine_after_first_step(tmp_path, started, overrides)
     assert extra["step"] >= 1 and extra["pool"]["reissue"], "the groups in flight are re-issued on resume"
-    check_prompt_stream(tmp_path, extra["step"])
+    check_prompt_stream(tmp_path, extra["step"], groups_per_step=2)
 
 
 def test_latest_checkpoint_ignores_unfinished_writes(tmp_path):
@@ -299,7 +244,7 @@ def test_unwritable_checkpoint_dir_is_an_error_before_training(local_ray, tmp_pa
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     checkpoints = blocker / "checkpoints"  # a path through a regular file: unwritable even for root
-    plan = make_plan("trainer.steps=1", "trainer.groups_per_step=2", "rollout.samples_per_prompt=2",
+    plan = valid_plan("trainer.steps=1", "trainer.groups_per_step=2", "rollout.samples_per_prompt=2",
                      "trainer.micro_batch_size=4", f"checkpoint.dir={checkpoints}", "logger=console")
     started = time.perf_counter()
     with pytest.raises(Exception) as error:

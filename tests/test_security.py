@@ -38,13 +38,6 @@ OPENAI, ANTHROPIC = "/v1/chat/completions", "/v1/messages"
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     return build_tiny("dense", str(tmp_path_factory.mktemp("models") / "dense"))
 
