@@ -49,7 +49,8 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
     """Load the HF checkpoint at `path` and shard it with FSDP2 (+ tp/ep from plan.parallel).
 
     Returns (model, mesh): the parallelized model and AutoModel's MeshContext. Call on every rank after
-    torch.distributed is initialised. This is the one place where CPU and GPU differ. With value_head the
+    torch.distributed is initialised. This is the one place where CPU and GPU differ; on CPU expert parallel
+    uses AutoModel's native Qwen3-MoE class, everything else the HF classes. With value_head the
     model is the same backbone with a new scalar head per token (HF's *ForTokenClassification): a critic.
     AutoModel is imported here, in the ranks, so that the driver does not pay for it.
     """
@@ -95,15 +96,83 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
         return auto_class.from_pretrained(path, distributed_setup=setup, **options), setup.mesh_context
 
     # NeMoAutoModelForCausalLM.from_pretrained hard-codes CUDA; AutoModel's mesh and parallelizer run on gloo.
-    # Expert parallel needs AutoModel's native MoE classes, which need CUDA.
-    if p.ep_size != 1:
-        raise ValueError(f"parallel.ep_size={p.ep_size}: expert parallel needs parallel.device=cuda")
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     mesh = MeshContext.build(strategy, sizes, activation_checkpointing=checkpointing)
+    if p.ep_size != 1:
+        # Expert parallel shards AutoModel's native MoE classes (grouped experts), not the HF ones.
+        if value_head:
+            raise ValueError(
+                f"critic.enabled=true with parallel.ep_size={p.ep_size} on parallel.device=cpu: AutoModel has "
+                f"no native value-head MoE class; use parallel.ep_size=1 or parallel.device=cuda"
+            )
+        return parallelize_model(_native_qwen3_moe(path, dtype), mesh), mesh
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
     return parallelize_model(auto_class.from_pretrained(path, **options), mesh), mesh
+
+
+# AutoModel's native Qwen3-MoE groups each layer's experts as [experts, in, out] (x @ w); transformers 5 fuses
+# them as [experts, out, in] (F.linear). All other parameter names and layouts agree.
+NATIVE_EXPERTS = {
+    "mlp.experts.gate_and_up_projs": "mlp.experts.gate_up_proj",
+    "mlp.experts.down_projs": "mlp.experts.down_proj",
+}
+
+
+def _rename_experts(state: dict[str, Tensor], names: dict[str, str]) -> dict[str, Tensor]:
+    """Rename the expert tensors by `names` (suffix -> suffix) and swap their last two dimensions."""
+    renamed = {}
+    for name, tensor in state.items():
+        for old, new in names.items():
+            if name.endswith(old):
+                name, tensor = name[: -len(old)] + new, tensor.transpose(1, 2).contiguous()
+        renamed[name] = tensor
+    return renamed
+
+
+def _is_native(model) -> bool:
+    """Whether `model` is one of AutoModel's native classes rather than a transformers model."""
+    from transformers import PreTrainedModel
+
+    return not isinstance(model, PreTrainedModel)
+
+
+def hf_layout(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A native Qwen3-MoE state dict named and laid out as the HF model's state_dict()."""
+    return _rename_experts(state, NATIVE_EXPERTS)
+
+
+def native_layout(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The HF Qwen3-MoE state dict named and laid out as AutoModel's native class's."""
+    return _rename_experts(state, {hf: native for native, hf in NATIVE_EXPERTS.items()})
+
+
+def _native_qwen3_moe(path: str, dtype: torch.dtype):
+    """AutoModel's native Qwen3-MoE on the CPU with the weights of the HF checkpoint at `path`."""
+    from unittest import mock
+
+    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type != "qwen3_moe":
+        raise ValueError(
+            f"parallel.ep_size > 1 on parallel.device=cpu supports Qwen3-MoE checkpoints only; {path} is "
+            f"{config.model_type}: use parallel.ep_size=1 or parallel.device=cuda"
+        )
+    # Qwen3MoeModel.__init__ (nemo_automodel/components/models/qwen3_moe/model.py) builds its RotaryEmbedding
+    # with device=torch.device(f"cuda:{torch.cuda.current_device()}"), which raises on a CPU-only torch. Answer
+    # 0 while it is built, then point the embedding at the CPU before its first use, as AutoModel's own
+    # initialize_weights does (`self.model.rotary_emb.device = buffer_device`).
+    with mock.patch.object(torch.cuda, "current_device", return_value=0):
+        # No hidden load-balancing gradient (AutoModel adds config.router_aux_loss_coef x its aux loss in the
+        # router's backward; the HF model does not): the MoE auxiliary loss is molt's loss.moe_aux_coef.
+        model = Qwen3MoeForCausalLM(config, moe_overrides={"aux_loss_coeff": 0.0})
+    model.model.rotary_emb.device = torch.device("cpu")
+    hf_state = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).state_dict()
+    model.load_state_dict(native_layout(hf_state), strict=True)
+    return model.to(dtype)
 
 
 def needs_hf_routers(plan: Plan) -> bool:
@@ -338,7 +407,9 @@ class PolicyWorker:
         """The full HF-format state dict on CPU, returned by rank 0 (every rank must take part)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
-        return state if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return hf_layout(state) if _is_native(self.model) else state
 
     def save(self, path: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -366,9 +437,15 @@ class PolicyWorker:
     def export_hf(self, path: str) -> None:
         state = self.state_dict()
         if self.rank == 0:
-            from transformers import AutoTokenizer
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-            self.model.save_pretrained(path, state_dict=state)
+            model = self.model
+            if _is_native(model):
+                # AutoModel's native class saves only through its Checkpointer: save through the HF class,
+                # built without weights (the state dict carries them).
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
+            model.save_pretrained(path, state_dict=state)
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
     def shutdown(self) -> None:

@@ -160,6 +160,14 @@ def validate(plan: Plan) -> list[str]:
         f"parallel.ep_size={par.ep_size} must divide the data x context parallel ranks "
         f"(parallel.actor_ranks / (tp_size x pp_size) = {par.actor_ranks // (par.tp_size * par.pp_size)})",
     )
+    if par.device == "cpu" and par.ep_size > 1:
+        # On CPU expert parallel runs AutoModel's native Qwen3-MoE (molt/trainer.py load_model), which has no
+        # value-head variant for the critic.
+        need(
+            not plan.critic.enabled,
+            f"critic.enabled=true with parallel.ep_size={par.ep_size} on parallel.device=cpu: the critic cannot "
+            "use expert parallel on CPU; set parallel.ep_size=1 (or use parallel.device=cuda)",
+        )
     need(
         par.cp_size == 1 or par.attention == "te",
         f"parallel.cp_size={par.cp_size} needs parallel.attention=te (context parallel attention)",
