@@ -33,7 +33,7 @@ from molt.chat_server import ChatServer
 from molt.data import load_dataset
 from molt.estimators import ESTIMATORS, dynamic_filter
 from molt.generator import Generator
-from molt.losses import importance_weights, kl_penalty, mismatch_metrics
+from molt.losses import adaptive_kl_coef, importance_weights, kl_penalty, mismatch_metrics, token_mean
 from molt.placement import reserve
 from molt.plan import Plan
 from molt.tiny import build_tiny
@@ -234,7 +234,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                 return await run_chat_rollout(agent.AgentRunner, row, server, plan, rollout_id, group_id)
             return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id)
 
-        state = {"step": 0, "pool": {"next_index": 0, "reissue": []}}
+        state = {"step": 0, "pool": {"next_index": 0, "reissue": []}, "kl_coef": plan.loss.kl_coef}
         resume_from = latest_checkpoint(checkpoints) if plan.checkpoint.resume else None
         if resume_from:
             state = await asyncio.to_thread(trainer.load, resume_from)
@@ -246,11 +246,12 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             await refit(generator, trainer, version=state["step"], keep_requests=False)
             print(f"molt: resumed from {resume_from} at step {state['step']}", file=sys.stderr)
         version = state["step"]  # the engines' weight version = optimizer steps behind them
+        kl_coef = state.get("kl_coef", plan.loss.kl_coef)  # moved by the controller when loss.kl_target is set
         pool = RolloutPool(plan, rows, run_rollout, **state["pool"])
         stack.push_async_callback(pool.close)
 
         async def save_checkpoint(steps_done: int) -> None:
-            extra = {"step": steps_done, "pool": pool.state()}
+            extra = {"step": steps_done, "pool": pool.state(), "kl_coef": kl_coef}
             if critic:  # first, so a complete policy checkpoint always has its critic
                 await asyncio.to_thread(critic.save, os.path.join(checkpoints, "critic"), extra)
             await asyncio.to_thread(trainer.save, checkpoints, extra)
@@ -259,13 +260,15 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         for step in range(state["step"], plan.trainer.steps):
             try:
                 metrics, groups, engine_died = await optimizer_step(plan, pool, generator, trainer, reference, critic,
-                                                                    version)
+                                                                    version, kl_coef)
             except EngineDied as e:  # documented choice: keep what was learned, stop, resume later
                 await save_checkpoint(step)
                 raise RuntimeError(f"{e}; wrote a checkpoint at step {step} in {checkpoints}: run again in "
                                    f"the same directory (hydra.run.dir={run_dir}) to resume") from e
             version += 1
             pool.release_step()
+            if "kl/policy_ref" in metrics:
+                kl_coef = adaptive_kl_coef(kl_coef, metrics["kl/policy_ref"], metrics["rollout/samples"], plan.loss)
             if step == state["step"]:
                 metrics["timing/first_step_since_launch"] = time.perf_counter() - started
             rewards_by_step.append(metrics["rollout/reward_mean"])
@@ -306,10 +309,10 @@ def check_writable(directory: str) -> None:
 
 async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, trainer: Trainer,
                          reference: Trainer | None, critic: Critic | None,
-                         version: int) -> tuple[dict[str, float], list[Group], EngineDied | None]:
+                         version: int, kl_coef: float) -> tuple[dict[str, float], list[Group], EngineDied | None]:
     """One optimizer step, stage by stage; every stage's wall time is a `timing/*` metric. Returns the
     step's metrics, the groups it trained on, and EngineDied if an engine died in the weight update after
-    the step (the step itself is done)."""
+    the step (the step itself is done). kl_coef weighs the KL to the reference (reward or loss term)."""
     t0 = time.perf_counter()
     groups = await pool.next_batch()
     t_batch = time.perf_counter()
@@ -329,19 +332,24 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
         old_logprobs, batch.rollout_logprobs, batch.action_mask, loss.importance_sampling,
         versions=batch.versions, current_version=version,
     )
-    kl_reward = None
-    if ref_logprobs is not None and loss.kl_in_reward:
-        kl_reward = loss.kl_coef * kl_penalty(old_logprobs, ref_logprobs, loss.kl_estimator) * batch.action_mask
+    kl_reward, kl_metrics = None, {}
+    if ref_logprobs is not None:
+        kl_tokens = kl_penalty(old_logprobs, ref_logprobs, loss.kl_estimator) * batch.action_mask
+        # what the adaptive controller (loss.kl_target) steers: the sampling policy's KL to the reference
+        kl_metrics = {"kl/policy_ref": float(token_mean(kl_tokens, batch.action_mask, int(batch.action_mask.sum()))),
+                      "kl/coef": kl_coef}
+        if loss.kl_in_reward:
+            kl_reward = kl_coef * kl_tokens
     advantages, returns = ESTIMATORS[plan.estimator.name](
         batch.rewards, batch.group_ids, batch.action_mask, plan.estimator,
         kl_penalty=kl_reward, values=values, old_logprobs=old_logprobs, teacher_logprobs=ref_logprobs,
     )
     t_advantage = time.perf_counter()
 
-    kl_loss_ref = ref_logprobs if (loss.kl_coef > 0 and not loss.kl_in_reward) else None
+    kl_loss_ref = ref_logprobs if (kl_coef > 0 and not loss.kl_in_reward) else None
     train_metrics = await asyncio.to_thread(
         trainer.train_step, batch, advantages, old_logprobs, loss_mask, is_weights, kl_loss_ref,
-        batch.routed_experts,
+        batch.routed_experts, kl_coef,
     )
     if critic:
         critic_metrics = await asyncio.to_thread(critic.train_step, batch, returns, values, loss_mask)
@@ -361,6 +369,7 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
     metrics = {
         **rollout_metrics(groups, version),
         **is_metrics,
+        **kl_metrics,
         **mismatch_metrics(batch.rollout_logprobs, old_logprobs, batch.action_mask),
         **{k if "/" in k else f"train/{k}": v for k, v in train_metrics.items()},
         "pool/groups_dropped": float(sum(pool.dropped.values())),

@@ -294,11 +294,11 @@ class PolicyWorker:
         ]
         return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
 
-    def train_step(self, data: dict, num_tokens: int) -> dict[str, float]:
+    def train_step(self, data: dict, num_tokens: int, kl_coef: float) -> dict[str, float]:
         plan = self.plan
         temperature = plan.rollout.temperature  # the new policy is scored like the old one: as sampled
         use_kl = data["ref_logprobs"] is not None
-        kl_in_loss = use_kl and not plan.loss.kl_in_reward and plan.loss.kl_coef != 0
+        kl_in_loss = use_kl and not plan.loss.kl_in_reward and kl_coef != 0
         self.model.train()
         sums: dict[str, float] = {}  # token-weighted metric sums: this rank's share of the global token mean
         maxima: dict[str, float] = {}
@@ -333,7 +333,7 @@ class PolicyWorker:
                     kl_tokens = losses.kl_penalty(logprobs, mb["ref_logprobs"], plan.loss.kl_estimator)
                     kl = losses.token_mean(kl_tokens, mask, num_tokens)
                     if kl_in_loss:
-                        loss = loss + plan.loss.kl_coef * kl
+                        loss = loss + kl_coef * kl
                     add("loss/kl", kl.item())
                 if self.routers is not None:
                     loss = loss + self._moe_terms(mb, share, add)
@@ -522,11 +522,12 @@ class Trainer:
 
     def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
                    is_weights: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
-                   routed_experts: Optional[Tensor] = None) -> dict[str, float]:
+                   routed_experts: Optional[Tensor] = None, kl_coef: Optional[float] = None) -> dict[str, float]:
         """plan.trainer.epochs_per_batch passes over the batch, one optimizer step per pass. Returns the
         loss terms (global token means), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE
         models loss/moe_aux and, given the engine's `routed_experts` [B, T, layers, top_k] (replayed with
-        model.routing_replay), moe/routing_agreement."""
+        model.routing_replay), moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term
+        against ref_logprobs; the loop passes the adaptive controller's current value."""
         self._require_trainable("train")
         _check_shapes(batch, advantages=advantages, old_logprobs=old_logprobs, loss_mask=loss_mask,
                       is_weights=is_weights, ref_logprobs=ref_logprobs)
@@ -536,7 +537,8 @@ class Trainer:
         data = self._put(batch, advantages=advantages.float(), old_logprobs=old_logprobs.float(),
                          loss_mask=loss_mask.bool(), is_weights=is_weights, ref_logprobs=ref_logprobs,
                          routed_experts=routed_experts)
-        metrics = ray.get([w.train_step.remote(data, num_tokens) for w in self.workers])[0]
+        kl_coef = self.plan.loss.kl_coef if kl_coef is None else kl_coef
+        metrics = ray.get([w.train_step.remote(data, num_tokens, kl_coef) for w in self.workers])[0]
         self.step = metrics.pop("optimizer_steps")
         return metrics | {"tokens": num_tokens, "time/train_s": time.perf_counter() - start}
 

@@ -112,6 +112,11 @@ def validate(plan: Plan) -> list[str]:
         f"loss.kl_in_reward=true has no effect with estimator={est.name} (only reinforce_pp and gae add "
         "per-token rewards): set loss.kl_in_reward=false to apply KL as a loss term",
     )
+    need(
+        loss.kl_target is None or (loss.kl_target > 0 and loss.kl_coef > 0),
+        f"loss.kl_target={loss.kl_target} steers loss.kl_coef={loss.kl_coef} multiplicatively: set loss.kl_coef > 0 "
+        "(its starting value, with reference.enabled=true) and loss.kl_target > 0, or loss.kl_target=null",
+    )
 
     # Policy losses.
     need(

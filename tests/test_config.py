@@ -135,6 +135,7 @@ RULES = [
     (["parallel=fsdp8", "rollout.engines=9"], ["rollout.engines=8"], "parallel.nodes"),
     (["agent=openai_chat", "data.apply_chat_template=false"], ["data.apply_chat_template=true"], "data.apply_chat_template"),
     (["loss.kl_coef=0.1"], ["reference.enabled=true"], "loss.kl_coef"),
+    (["loss.kl_target=0.01"], ["loss.kl_coef=0.1", "reference.enabled=true"], "loss.kl_target"),
     (["estimator=grpo", "loss.kl_in_reward=true", "reference.enabled=true", "loss.kl_coef=0.1"], ["loss.kl_in_reward=false"], "loss.kl_in_reward"),
     (["data.max_prompt_tokens=600"], ["data.max_prompt_tokens=64"], "rollout.max_model_len"),
     (["model.dtype=bfloat16"], ["model.dtype=float32"], "model.dtype"),

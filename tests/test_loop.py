@@ -42,12 +42,17 @@ def test_sync_schedule_is_on_policy(tmp_path):
 
 def test_force_on_policy_with_reference_kl_and_dynamic_filter(tmp_path):
     plan = valid_plan(*SHORT, "schedule=force_on_policy", "reference.enabled=true", "loss.kl_coef=0.1",
-                     "dynamic_filter.enabled=true", "rollout.temperature=1.5")
+                      "loss.kl_target=1e-6", "loss.kl_horizon=100", "dynamic_filter.enabled=true",
+                      "rollout.temperature=1.5")
     summary = train(plan, str(tmp_path))
     records = steps_log(tmp_path)
     assert all(r["staleness/max"] == 0 for r in records)
     assert "loss/kl" in records[0] and records[0]["loss/kl"] == pytest.approx(0, abs=1e-6)  # same weights
     assert records[-1]["loss/kl"] > 0  # the policy moved away from the reference
+    # the adaptive controller (at most 20 % x 16 samples / 100 per step): down after step 0, where the KL is 0
+    # (below the target), up once the policy has moved (above it)
+    assert records[0]["kl/coef"] == 0.1 and records[1]["kl/coef"] == pytest.approx(0.1 * (1 - 0.2 * 16 / 100))
+    assert records[2]["kl/coef"] > records[1]["kl/coef"]
     # groups whose rollouts all scored the same were dropped and backfilled: every step still full
     assert all(r["rollout/samples"] == 16 for r in records)
     assert summary["groups_dropped"], "at temperature 1.5 some group is all-wrong or all-right"
