@@ -15,6 +15,7 @@ import io
 import os
 import sys
 import uuid
+import zlib
 from typing import Optional
 
 import ray
@@ -101,6 +102,7 @@ class RolloutEngine:
         temperature: float,
         top_p: float,
         top_k: int,
+        seed: Optional[int],
         request_id: str,
     ) -> Sample:
         from vllm import SamplingParams
@@ -111,6 +113,7 @@ class RolloutEngine:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            seed=seed,  # a per-request generator; None draws from the engine's shared one
             logprobs=0,  # only the sampled token's log-probability
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
@@ -152,6 +155,12 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def request_seed(run_seed: int, rollout_id: str, turn: int) -> int:
+    """The sampling seed of one model call: it depends on the run seed and on which rollout and turn this
+    is, not on which other requests share the engine's batch, so a sync run samples the same tokens again."""
+    return zlib.crc32(f"{run_seed}/{rollout_id}/{turn}".encode())
 
 
 class Router:
@@ -215,12 +224,13 @@ class Generator:
         top_p: float,
         top_k: int,
         session_id: Optional[str] = None,
+        seed: Optional[int] = None,
     ) -> Sample:
         index = self.router.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
         try:
             return await self.engines[index].generate.remote(
-                prompt_ids, max_tokens, temperature, top_p, top_k, request_id
+                prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id
             )
         finally:
             self.router.release(index)

@@ -135,7 +135,8 @@ class RolloutPool:
                 self.reissue.extendleft(g.index for g in reversed(groups))  # taken but not trained: redo on resume
                 raise item
             groups.append(item)
-        return groups
+        # Arrival order depends on timing; stream order gives a repeated sync run the same micro-batches.
+        return sorted(groups, key=lambda g: g.index)
 
     def release_step(self) -> None:
         """The batch was trained on and the engines refitted: admit the next batch's groups."""
@@ -211,6 +212,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
     tokenizer = AutoTokenizer.from_pretrained(plan.model.path)
     agent = load_agent(plan.agent.path, plan.agent.form)
     rows = load_dataset(plan, agent, tokenizer, "train", size=plan.trainer.steps * plan.trainer.groups_per_step)
+    eval_rows = load_dataset(plan, agent, tokenizer, "eval", size=plan.data.eval_size) if plan.logger.eval_every else []
 
     async with contextlib.AsyncExitStack() as stack:  # stops whatever has started, in reverse order
         placement = reserve(plan)  # checks the cluster against the plan, then holds each node's share
@@ -256,6 +258,17 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                 await asyncio.to_thread(critic.save, os.path.join(checkpoints, "critic"), extra)
             await asyncio.to_thread(trainer.save, checkpoints, extra)
 
+        async def log_eval(steps_done: int) -> None:
+            metrics = await evaluate(eval_rows, run_rollout)
+            tracker.log_metrics(metrics, step=steps_done)
+            with open(os.path.join(run_dir, "eval.jsonl"), "a") as log:
+                log.write(json.dumps({"step": steps_done, **metrics}) + "\n")
+            if plan.logger.console:
+                print(f"eval after {steps_done} steps: reward {metrics['eval/reward_mean']:.3f} over "
+                      f"{metrics['eval/samples']:.0f} rows", flush=True)
+
+        if eval_rows and state["step"] == 0:
+            await log_eval(0)
         rewards_by_step = []
         for step in range(state["step"], plan.trainer.steps):
             try:
@@ -280,6 +293,9 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             due = (plan.checkpoint.every and (step + 1) % plan.checkpoint.every == 0) or step + 1 == plan.trainer.steps
             if due or engine_died:  # a step trained before its weight update failed is kept
                 await save_checkpoint(step + 1)
+            eval_due = eval_rows and ((step + 1) % plan.logger.eval_every == 0 or step + 1 == plan.trainer.steps)
+            if eval_due and not engine_died:
+                await log_eval(step + 1)
             if engine_died:
                 raise RuntimeError(f"{engine_died}; wrote a checkpoint at step {step + 1} in {checkpoints}: run again "
                                    f"in the same directory (hydra.run.dir={run_dir}) to resume") from engine_died
@@ -293,6 +309,26 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             tracker.log_artifact_path(summary["hf_export"])
         print_summary(summary)
         return summary
+
+
+async def evaluate(rows: list[dict], run_rollout) -> dict[str, float]:
+    """Score each eval row once on the engines' current weights, without training: `eval/*` metrics.
+
+    Rollout ids (and so sampling seeds) are the same in every pass, so passes differ by the weights only.
+    Training rollouts of an async schedule keep generating alongside.
+    """
+    results = await asyncio.gather(*(run_rollout(row, f"eval-r{i}", f"eval-r{i}") for i, row in enumerate(rows)),
+                                   return_exceptions=True)
+    for error in results:
+        if isinstance(error, BaseException) and not isinstance(error, RolloutFailed):
+            raise error
+    rollouts = [r for r in results if not isinstance(r, BaseException)]
+    if not rollouts:
+        raise RuntimeError(f"every one of the {len(rows)} eval rollouts failed, e.g. {results[0]}")
+    scored = rollout_metrics([Group(-1, rollouts)], version=0)
+    metrics = {"eval/" + key.removeprefix("rollout/"): value for key, value in scored.items()
+               if key.startswith(("rollout/", "info/")) and key != "rollout/mixed_version_frac"}
+    return metrics | {"eval/failed": float(len(results) - len(rollouts))}
 
 
 def check_writable(directory: str) -> None:

@@ -89,6 +89,7 @@ class DataPlan:
     name: str = "builtin"
     train_path: Optional[str] = None  # JSONL of chat rows; None = the agent module's built-in task
     eval_path: Optional[str] = None
+    eval_size: int = 32  # rows of the agent's built-in eval split; a data.eval_path file is used whole
     apply_chat_template: bool = True
     max_prompt_tokens: int = 128
     bad_rows: str = "error"  # error | skip
@@ -200,7 +201,7 @@ class MlflowPlan:
 class LoggerPlan:
     mlflow: MlflowPlan = field(default_factory=MlflowPlan)
     console: bool = True
-    eval_every: int = 0
+    eval_every: int = 0  # score the eval split before step 0, every this many steps and at the end; 0 = never
 
 
 @dataclass

@@ -62,6 +62,8 @@ def validate(plan: Plan) -> list[str]:
     )
     need(sch.queue_depth >= 1, "schedule.queue_depth must be >= 1 (1 = sync)")
     need(sch.refit_every >= 1, "schedule.refit_every must be >= 1")
+    need(plan.logger.eval_every >= 0, f"logger.eval_every={plan.logger.eval_every}: use 0 (no eval) or a step count")
+    need(plan.data.eval_size >= 1, f"data.eval_size={plan.data.eval_size}: the eval split needs at least one row")
     need(
         not isc.enabled or (ro.top_p == 1.0 and ro.top_k <= 0),
         f"loss.importance_sampling.enabled=true with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k}: "

@@ -91,6 +91,8 @@ def test_to_plan_rejects_bad_dicts_naming_the_key():
 
 # (bad overrides, overrides that fix them, key the message must name)
 RULES = [
+    (["logger.eval_every=-1"], ["logger.eval_every=10"], "logger.eval_every"),
+    (["data.eval_size=0"], ["data.eval_size=8"], "data.eval_size"),
     (["schedule=partial_rollout", "loss.importance_sampling.enabled=false"], ["schedule=sync"], "schedule.partial_rollout"),
     (["schedule=async", "loss.importance_sampling.enabled=false"], ["schedule=sync"], "loss.importance_sampling.enabled"),
     (["rollout.top_p=0.9"], ["rollout.top_p=1.0"], "rollout.top_p"),

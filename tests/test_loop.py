@@ -3,6 +3,7 @@ reference/KL, critic, distillation, checkpoint-kill-resume, and the embedded def
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -115,8 +116,12 @@ def test_killed_run_resumes_without_losing_or_repeating_a_prompt(tmp_path):
 
 
 def test_embedded_default_learns(tmp_path):
-    """The default recipe (molt-run with no arguments) raises the mean reward clearly."""
-    summary = train(valid_plan("logger=console"), str(tmp_path))
+    """The default recipe (molt-run with no arguments) raises the mean reward clearly, on the held-out
+    eval split too."""
+    summary = train(valid_plan("logger=console", "logger.eval_every=20"), str(tmp_path))
     rewards = summary["reward_by_step"]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.15, rewards
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 20, 40] and all(e["eval/samples"] == 32 for e in evals)
+    assert evals[-1]["eval/reward_mean"] > evals[0]["eval/reward_mean"] + 0.1, evals
