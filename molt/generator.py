@@ -3,7 +3,8 @@
 Token ids in, token ids out: a request is a list of prompt ids, the answer a `Sample` with the sampled
 ids, the log-probability of each and the weight version each was sampled under (vLLM's
 `weight_versions` spans, expanded per token). The `Generator` keeps all requests of a session on one
-engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine.
+engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
+requests made together reach their engine in one Ray call.
 Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API: on CPU
 with the backend in molt/refit_worker.py, on GPU with vLLM's NCCL backend.
 """
@@ -135,6 +136,10 @@ class RolloutEngine:
             routed_experts=routed,
         )
 
+    async def generate_batch(self, requests: list[tuple]) -> list[Sample | Exception]:
+        """`generate(*request)` for each request, concurrently: one Ray call for many requests."""
+        return await asyncio.gather(*(self.generate(*request) for request in requests), return_exceptions=True)
+
     async def pause(self, keep_requests: bool) -> None:
         # "keep" freezes in-flight requests (partial rollout); clearing the cache makes them recompute their
         # KV with the new weights on resume and stops new requests from reusing prefixes computed by the old
@@ -196,6 +201,10 @@ class Generator:
         self.engines = engines
         self.transfer = transfer
         self.router = Router(len(engines))
+        # Requests made in the same event-loop tick (a group's samples, a batch of new groups) go to their
+        # engine in one Ray call: on short answers a Ray call per request costs more than the generation.
+        self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
+        self.calls: set[asyncio.Task] = set()  # the batched Ray calls in flight (asyncio keeps weak references)
 
     @classmethod
     async def start(cls, plan: Plan, placement: Optional[list] = None) -> "Generator":
@@ -209,7 +218,8 @@ class Generator:
         engines = [RolloutEngine.options(**engine_resources(plan), scheduling_strategy=s).remote() for s in strategies]
         generator = cls(engines, transfer)
         try:
-            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed, plan.model.routing_replay) for e in engines))
+            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed,
+                                                  plan.model.routing_replay) for e in engines))
         except BaseException:
             await generator.shutdown()
             raise
@@ -228,12 +238,35 @@ class Generator:
     ) -> Sample:
         index = self.router.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
+        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id)
+        sample = asyncio.get_running_loop().create_future()
+        if not self.unsent[index]:
+            asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick
+        self.unsent[index].append((request, sample))
         try:
-            return await self.engines[index].generate.remote(
-                prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id
-            )
+            return await sample
         finally:
             self.router.release(index)
+
+    def _send(self, index: int) -> None:
+        batch, self.unsent[index] = self.unsent[index], []
+        call = asyncio.ensure_future(self._deliver(self.engines[index], batch))
+        self.calls.add(call)
+        call.add_done_callback(self.calls.discard)
+
+    @staticmethod
+    async def _deliver(engine, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        try:
+            results = await engine.generate_batch.remote([request for request, _ in batch])
+        except Exception as e:  # the engine died (RayActorError): every request of the call fails with it
+            results = [e] * len(batch)
+        for (_, sample), result in zip(batch, results):
+            if sample.done():  # its caller stopped waiting (a timeout)
+                continue
+            if isinstance(result, Exception):
+                sample.set_exception(result)
+            else:
+                sample.set_result(result)
 
     def end_session(self, session_id: str) -> None:
         """Forget a finished session's engine."""

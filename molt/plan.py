@@ -66,7 +66,7 @@ class RolloutPlan:
     top_p: float = 1.0
     top_k: int = -1
     # vLLM-CPU threading: which cores the engine's OpenMP threads bind to, how many it reserves,
-    # and whether to preload the Intel OpenMP runtime shipped in the venv (measured faster here).
+    # and whether to preload the Intel OpenMP runtime shipped in the venv (conf/rollout/cpu.yaml: measured).
     cpu_omp_threads_bind: str = "auto"
     cpu_reserved_cores: Optional[int] = None
     cpu_preload_iomp: bool = False
