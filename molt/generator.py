@@ -136,7 +136,7 @@ class RolloutEngine:
             routed_experts=routed,
         )
 
-    async def generate_batch(self, requests: list[tuple]) -> list[Sample | Exception]:
+    async def generate_batch(self, requests: list[tuple]) -> list[Sample | BaseException]:
         """`generate(*request)` for each request, concurrently: one Ray call for many requests."""
         return await asyncio.gather(*(self.generate(*request) for request in requests), return_exceptions=True)
 
@@ -263,7 +263,7 @@ class Generator:
         for (_, sample), result in zip(batch, results):
             if sample.done():  # its caller stopped waiting (a timeout)
                 continue
-            if isinstance(result, Exception):
+            if isinstance(result, BaseException):  # e.g. the engine aborted the request
                 sample.set_exception(result)
             else:
                 sample.set_result(result)
