@@ -16,7 +16,6 @@ import io
 import os
 import sys
 import uuid
-import zlib
 from typing import Optional
 
 import ray
@@ -103,7 +102,6 @@ class RolloutEngine:
         temperature: float,
         top_p: float,
         top_k: int,
-        seed: Optional[int],
         request_id: str,
     ) -> Sample:
         from vllm import SamplingParams
@@ -114,7 +112,6 @@ class RolloutEngine:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            seed=seed,  # a per-request generator; None draws from the engine's shared one
             logprobs=0,  # only the sampled token's log-probability
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
@@ -160,12 +157,6 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
-
-
-def request_seed(run_seed: int, rollout_id: str, turn: int) -> int:
-    """The sampling seed of one model call: it depends on the run seed and on which rollout and turn this
-    is, not on which other requests share the engine's batch, so a sync run samples the same tokens again."""
-    return zlib.crc32(f"{run_seed}/{rollout_id}/{turn}".encode())
 
 
 class Router:
@@ -234,11 +225,10 @@ class Generator:
         top_p: float,
         top_k: int,
         session_id: Optional[str] = None,
-        seed: Optional[int] = None,
     ) -> Sample:
         index = self.router.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
-        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id)
+        request = (prompt_ids, max_tokens, temperature, top_p, top_k, request_id)
         sample = asyncio.get_running_loop().create_future()
         if not self.unsent[index]:
             asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick

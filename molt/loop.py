@@ -313,10 +313,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
 
 async def evaluate(rows: list[dict], run_rollout) -> dict[str, float]:
     """Score each eval row once on the engines' current weights, without training: `eval/*` metrics.
-
-    Rollout ids (and so sampling seeds) are the same in every pass, so passes differ by the weights only.
-    Training rollouts of an async schedule keep generating alongside.
-    """
+    Training rollouts of an async schedule keep generating alongside."""
     results = await asyncio.gather(*(run_rollout(row, f"eval-r{i}", f"eval-r{i}") for i, row in enumerate(rows)),
                                    return_exceptions=True)
     for error in results:
