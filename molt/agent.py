@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from molt.data import Conversation, DataError, normalize_messages, normalize_tools
+from molt.generator import request_seed
 from molt.plan import Plan
 from molt.trace import Trajectory, check_token_identity
 
@@ -141,6 +142,7 @@ async def _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, gro
         sample = await generator.generate(
             prompt_ids, max_tokens=min(agent.max_tokens_per_turn, room), temperature=rollout.temperature,
             top_p=rollout.top_p, top_k=rollout.top_k, session_id=rollout_id,
+            seed=request_seed(plan, rollout_id, turn),
         )
         action = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         conversation.add_turn(messages, tools, prompt_ids, sample, {"role": "assistant", "content": action})

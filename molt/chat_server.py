@@ -36,6 +36,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from molt.data import Conversation, DataError, normalize_messages, normalize_tools, parse_tool_calls
+from molt.generator import request_seed
 from molt.plan import Plan
 from molt.trace import Sample
 
@@ -262,7 +263,7 @@ class ChatServer:
                 prompt_ids,
                 max_tokens=min(max_tokens or agent.max_tokens_per_turn, agent.max_tokens_per_turn, room),
                 temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-                session_id=session.rollout_id,
+                session_id=session.rollout_id, seed=request_seed(self.plan, session.rollout_id, session.turns),
             )
             if session.closed:
                 raise RequestError(404, "the session finished while this request was generating")

@@ -16,6 +16,7 @@ import io
 import os
 import sys
 import uuid
+import zlib
 from typing import Optional
 
 import ray
@@ -102,6 +103,7 @@ class RolloutEngine:
         temperature: float,
         top_p: float,
         top_k: int,
+        seed: Optional[int],
         request_id: str,
     ) -> Sample:
         from vllm import SamplingParams
@@ -112,6 +114,7 @@ class RolloutEngine:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            seed=seed,
             logprobs=0,  # only the sampled token's log-probability
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
@@ -157,6 +160,15 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def request_seed(plan: Plan, rollout_id: str, turn: int) -> Optional[int]:
+    """The sampling seed of one model call when rollout.seed_requests is on (else None: the engine's shared
+    generator). It depends on the run seed, the rollout and the turn, not on which other requests share
+    the engine's batch, so a sync run samples the same tokens again."""
+    if not plan.rollout.seed_requests:
+        return None
+    return zlib.crc32(f"{plan.seed}/{rollout_id}/{turn}".encode())
 
 
 class Router:
@@ -225,10 +237,11 @@ class Generator:
         top_p: float,
         top_k: int,
         session_id: Optional[str] = None,
+        seed: Optional[int] = None,
     ) -> Sample:
         index = self.router.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
-        request = (prompt_ids, max_tokens, temperature, top_p, top_k, request_id)
+        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id)
         sample = asyncio.get_running_loop().create_future()
         if not self.unsent[index]:
             asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick

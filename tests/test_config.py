@@ -91,6 +91,7 @@ def test_to_plan_rejects_bad_dicts_naming_the_key():
 
 # (bad overrides, overrides that fix them, key the message must name)
 RULES = [
+    (["schedule=partial_rollout", "rollout.seed_requests=true"], ["rollout.seed_requests=false"], "rollout.seed_requests"),
     (["logger.eval_every=-1"], ["logger.eval_every=10"], "logger.eval_every"),
     (["data.eval_size=0"], ["data.eval_size=8"], "data.eval_size"),
     (["schedule=partial_rollout", "loss.importance_sampling.enabled=false"], ["schedule=sync"], "schedule.partial_rollout"),

@@ -9,7 +9,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.generator import Generator, Router, weight_transfer_backend
+from molt.generator import Generator, Router, request_seed, weight_transfer_backend
 from molt.plan import ModelPlan, Plan, RolloutPlan
 from molt.tiny import build_tiny
 
@@ -157,6 +157,32 @@ def test_update_weights_needs_pause(engine):
         pytest.skip("engine-independent check")
     with pytest.raises(ray.exceptions.RayTaskError, match="call pause\\(\\) first"):
         engine.run(engine.generator.update_weights(engine.hf.state_dict(), version=9))
+
+
+@pytest.mark.slow
+def test_a_seeded_request_samples_the_same_tokens_alone_or_in_a_batch(engine):
+    if engine.kind != "dense":
+        pytest.skip("engine-independent check")
+    prompt = engine.prompt("Tell me a story about a lighthouse.")
+
+    async def sample(seed, neighbours):
+        mine = engine.generator.generate(prompt, max_tokens=24, temperature=1.0, top_p=1.0, top_k=-1, seed=seed)
+        others = [engine.generate(engine.prompt(f"Count to {n}."), max_tokens=24) for n in range(neighbours)]
+        return (await asyncio.gather(mine, *others))[0].token_ids
+
+    alone = engine.run(sample(seed=7, neighbours=0))
+    assert engine.run(sample(seed=7, neighbours=6)) == alone
+    assert any(engine.run(sample(seed=s, neighbours=0)) != alone for s in (8, 9, 10))
+
+
+def test_request_seed_depends_on_run_rollout_and_turn_and_is_off_by_default():
+    plan = Plan(rollout=RolloutPlan(seed_requests=True))
+    seeds = set()
+    for run in (0, 1):
+        plan.seed = run
+        seeds |= {request_seed(plan, rollout, turn) for rollout in ("g0-r0", "g0-r1") for turn in (0, 1)}
+    assert len(seeds) == 8 and request_seed(plan, "g0-r0", 0) == request_seed(plan, "g0-r0", 0)
+    assert request_seed(Plan(), "g0-r0", 0) is None
 
 
 def test_router_keeps_sessions_and_balances_new_ones():

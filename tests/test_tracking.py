@@ -329,9 +329,10 @@ def test_reproduce_refuses_a_changed_schema_without_force_and_warns_on_versions(
 def test_reproduce_relaunches_a_real_run_with_the_same_plan_and_first_step_metrics(tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     # ray_address=local: a fresh Ray even when another process on this machine runs one
-    # schedule=sync: an async step trains on whichever groups finish first, which timing decides
-    first = subprocess.run([BIN / "molt-run", "debug=smoke", "schedule=sync", "logger.mlflow.enabled=true",
-                            "ray_address=local", "hydra.run.dir=run1"], capture_output=True, text=True, timeout=900, env=env)
+    # schedule=sync: an async step trains on whichever groups finish first, which timing decides;
+    # seeded requests: the engine's shared generator depends on how requests fall into its batches
+    first = subprocess.run([BIN / "molt-run", "debug=smoke", "schedule=sync", "rollout.seed_requests=true",
+                            "logger.mlflow.enabled=true", "ray_address=local", "hydra.run.dir=run1"], capture_output=True, text=True, timeout=900, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     [source] = client.search_runs([client.get_experiment_by_name("molt").experiment_id])
