@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from molt.data import Conversation, DataError, normalize_messages, normalize_tools
+from molt.data import Conversation, DataError, message_images, normalize_messages, normalize_tools
 from molt.generator import request_seed
 from molt.plan import Plan
 from molt.trace import Trajectory, check_token_identity
@@ -38,7 +38,8 @@ class Result:
     observation: the next user/tool message(s), a string (one user message) or a list of chat messages;
         None ends the episode.
     info: numbers logged as metrics (a later step's keys override an earlier step's).
-    images: images that come with the observation (no rollout path sends images yet).
+    images: images (PIL) shown with the observation, before its text (in its last message); they need a
+        multimodal model (model.multimodal=true).
     """
 
     reward: float = 0.0
@@ -109,14 +110,15 @@ def load_agent(path: str, form: str):
 
 
 async def run_env_rollout(env_cls: type[Env], row: dict, generator, tokenizer, plan: Plan, rollout_id: str,
-                          group_id: str) -> list[Trajectory]:
+                          group_id: str, processor=None) -> list[Trajectory]:
     """Play one episode of `env_cls` on `row` (from `load_dataset`, so it carries `prompt_ids`);
-    agent.timeout_s bounds the whole episode, generation included."""
+    agent.timeout_s bounds the whole episode, generation included. `processor`: molt.data.load_processor."""
     if "prompt_ids" not in row:
         raise ValueError("an Env's row needs 'prompt_ids': take rows from molt.data.load_dataset, which renders them")
     try:
         return await asyncio.wait_for(
-            _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, group_id), plan.agent.timeout_s
+            _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, group_id, processor),
+            plan.agent.timeout_s,
         )
     except TimeoutError:
         raise RolloutFailed(f"ran over agent.timeout_s={plan.agent.timeout_s}: rollout {rollout_id}") from None
@@ -124,11 +126,11 @@ async def run_env_rollout(env_cls: type[Env], row: dict, generator, tokenizer, p
         generator.end_session(rollout_id)
 
 
-async def _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, group_id) -> list[Trajectory]:
+async def _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, group_id, processor) -> list[Trajectory]:
     rollout, agent = plan.rollout, plan.agent
     messages, tools = normalize_messages(row["messages"], "row"), normalize_tools(row.get("tools"), "row")
     prompt_ids = row["prompt_ids"]
-    conversation = Conversation(tokenizer, rollout_id, group_id, plan.data.apply_chat_template)
+    conversation = Conversation(tokenizer, rollout_id, group_id, plan.data.apply_chat_template, processor)
     try:
         env = env_cls(row)
     except Exception as e:
@@ -142,7 +144,7 @@ async def _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, gro
         sample = await generator.generate(
             prompt_ids, max_tokens=min(agent.max_tokens_per_turn, room), temperature=rollout.temperature,
             top_p=rollout.top_p, top_k=rollout.top_k, session_id=rollout_id,
-            seed=request_seed(plan, rollout_id, turn),
+            seed=request_seed(plan, rollout_id, turn), images=message_images(messages),
         )
         action = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         conversation.add_turn(messages, tools, prompt_ids, sample, {"role": "assistant", "content": action})
@@ -159,11 +161,18 @@ async def _env_episode(env_cls, row, generator, tokenizer, plan, rollout_id, gro
         observation = result.observation
         if isinstance(observation, str):
             observation = [{"role": "user", "content": observation}]
+        if result.images:  # shown before the text of the observation's last message
+            if not (isinstance(observation, list) and observation and isinstance(observation[-1], dict)):
+                raise RolloutFailed(f"{env_cls.__name__}.step returned images without an observation message")
+            content = observation[-1].get("content")
+            parts = [{"type": "image", "image": image} for image in result.images]
+            parts += content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+            observation = [*observation[:-1], {**observation[-1], "content": parts}]
         try:
             messages = conversation.messages + normalize_messages(observation, f"{env_cls.__name__}.step observation")
+            prompt_ids = conversation.prompt_for(messages, tools)
         except DataError as e:
             raise RolloutFailed(str(e)) from None
-        prompt_ids = conversation.prompt_for(messages, tools)
     else:
         truncated = True  # agent.max_turns ran out while the env still had an observation
     return _finish(conversation.segments, reward, info, truncated)
@@ -183,6 +192,8 @@ async def run_chat_rollout(agent_cls: type[ChatAgent], row: dict, server, plan: 
     finally:
         server.close_session(session)
     _check_result(result, f"{agent_cls.__name__}.run")
+    if result.images:
+        raise RolloutFailed(f"{agent_cls.__name__}.run returned images; a ChatAgent sends images in its requests")
     if not session.conversation.segments:
         raise RolloutFailed(f"{agent_cls.__name__}.run made no model request at ctx.base_url")
     return _finish(session.conversation.segments, float(result.reward), result.info,
@@ -199,8 +210,8 @@ def _check_result(result: Any, where: str) -> None:
         raise RolloutFailed(f"{where} returned a non-finite reward: {result.reward!r}")
     if not isinstance(result.info, dict):
         raise RolloutFailed(f"{where} returned info that is not a dict: {type(result.info).__name__}")
-    if result.images:
-        raise RolloutFailed(f"{where} returned images; the rollout path sends text only")
+    if not isinstance(result.images, list):
+        raise RolloutFailed(f"{where} returned images that are not a list: {type(result.images).__name__}")
 
 
 def _finish(segments: list[Trajectory], reward: float, info: dict, truncated: bool) -> list[Trajectory]:

@@ -19,7 +19,8 @@ top_k; a request asking for other values, or for parameters the server does not 
 
 Every bad request gets a 4xx naming what is wrong: 400, 404 (unknown or finished session), 413 (a body
 over MAX_BODY_BYTES), 429 (more than MAX_REQUESTS_PER_SESSION requests at once on one session). Nothing in
-a request is fetched or opened: image and URL content is refused, never read.
+a request is fetched or opened: images are read from data URLs (OpenAI `image_url`) and base64 blocks
+(Anthropic `image`) only, and only for a multimodal model; URL content is refused, never read.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from molt.data import Conversation, DataError, normalize_messages, normalize_tools, parse_tool_calls
+from molt.data import Conversation, DataError, message_images, normalize_messages, normalize_tools, parse_tool_calls
 from molt.generator import request_seed
 from molt.plan import Plan
 from molt.trace import Sample
@@ -86,11 +87,13 @@ class Session:
 
 
 class ChatServer:
-    """`async with ChatServer(generator, tokenizer, plan) as server:` serves until the block ends."""
+    """`async with ChatServer(generator, tokenizer, plan, processor) as server:` serves until the block ends.
+    `processor`: molt.data.load_processor(plan), None for a text-only model."""
 
-    def __init__(self, generator, tokenizer, plan: Plan):
+    def __init__(self, generator, tokenizer, plan: Plan, processor=None):
         self.generator = generator
         self.tokenizer = tokenizer
+        self.processor = processor
         self.plan = plan
         self.model_name = plan.model.name
         self.sessions: dict[str, Session] = {}
@@ -125,7 +128,7 @@ class ChatServer:
             raise RuntimeError(f"{len(self.sessions)} chat sessions are open (MAX_SESSIONS={MAX_SESSIONS}); "
                                "close each finished rollout's session with close_session")
         session_id = secrets.token_urlsafe(16)  # 128 random bits: the URL is the only credential
-        conversation = Conversation(self.tokenizer, rollout_id, group_id)
+        conversation = Conversation(self.tokenizer, rollout_id, group_id, processor=self.processor)
         session = Session(session_id, f"http://127.0.0.1:{self.port}/s/{session_id}", rollout_id, conversation)
         self.sessions[session_id] = session
         return session
@@ -264,6 +267,7 @@ class ChatServer:
                 max_tokens=min(max_tokens or agent.max_tokens_per_turn, agent.max_tokens_per_turn, room),
                 temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                 session_id=session.rollout_id, seed=request_seed(self.plan, session.rollout_id, session.turns),
+                images=message_images(messages),
             )
             if session.closed:
                 raise RequestError(404, "the session finished while this request was generating")
@@ -321,7 +325,8 @@ class ChatServer:
 
 def _from_anthropic(message: Any, where: str) -> list[dict]:
     """One Anthropic message -> OpenAI-format messages: tool_use blocks become tool calls, each
-    tool_result block a tool message (placed before the user's text, as the results answer the calls)."""
+    tool_result block a tool message (placed before the user's text, as the results answer the calls),
+    base64 image blocks image_url parts with a data URL."""
     if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
         raise RequestError(400, f"{where} must be an object with role 'user' or 'assistant'")
     role, content = message["role"], message.get("content")
@@ -329,13 +334,20 @@ def _from_anthropic(message: Any, where: str) -> list[dict]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise RequestError(400, f"{where}.content must be a string or a list of content blocks")
-    texts, calls, results = [], [], []
+    parts, calls, results = [], [], []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             if not isinstance(block.get("text", ""), str):
                 raise RequestError(400, f"{where}.content[{j}].text must be a string")
-            texts.append(block.get("text", ""))
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image" and role == "user":
+            source = block.get("source")
+            if not (isinstance(source, dict) and source.get("type") == "base64"
+                    and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str)):
+                raise RequestError(400, f"{where}.content[{j}]: an image block needs a base64 source; nothing is fetched")
+            url = f"data:{source['media_type']};base64,{source['data']}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
@@ -344,5 +356,5 @@ def _from_anthropic(message: Any, where: str) -> list[dict]:
         else:
             raise RequestError(400, f"{where}.content[{j}]: a {kind!r} block in a {role} message is not supported")
     if role == "assistant":
-        return [{"role": "assistant", "content": "".join(texts), "tool_calls": calls}]
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+        return [{"role": "assistant", "content": parts, "tool_calls": calls}]
+    return results + ([{"role": "user", "content": parts}] if parts else [])

@@ -4,8 +4,14 @@ A dataset row is a dict in the OpenAI chat format:
 
     {"messages": [{"role": "user", "content": "What is 3 + 4?"}],   # required
      "tools": [{"type": "function", "function": {...}}],          # optional, OpenAI tool schemas
-     "images": [...],                                             # optional (no rollout path sends them yet)
      "label": 7}                                                  # optional, anything the agent grades with
+
+Images (model.multimodal=true) are content parts of a message, as the OpenAI format has them:
+`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`, or from Python code
+`{"type": "image", "image": <PIL.Image>}`. Nothing is fetched: a URL that is not a data URL is refused.
+A normalized message keeps its text with IMAGE where each image sat and the decoded images under "images".
+The engine expands each IMAGE token into the model's image tokens; the trace keeps the expanded ids and the
+image tensors the actor's forward needs (`Conversation.add_turn`).
 
 Rows come from a JSONL file (`data.train_path` / `data.eval_path`) or from the agent module's
 `dataset(split, size, seed)`. The chat template is applied exactly once to build what the engine sees:
@@ -18,20 +24,26 @@ they are and only messages added since are rendered and appended.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import re
 import sys
 from typing import Any, Optional
 
 from jinja2 import TemplateError
+from PIL import Image
 
 from molt.plan import Plan
 from molt.trace import Sample, Trajectory
 
-ROW_FIELDS = ("messages", "tools", "images", "label")
+ROW_FIELDS = ("messages", "tools", "label")
 ROLES = ("system", "user", "assistant", "tool")
 # The tiny model's (and Qwen's) tool-call format: a JSON object inside <tool_call> tags in the reply text.
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# Where an image sits in a message's text: the placeholder token of Idefics3-family processors (molt/tiny.py).
+IMAGE = "<image>"
 
 
 class DataError(ValueError):
@@ -41,8 +53,9 @@ class DataError(ValueError):
 def normalize_messages(messages: Any, where: str) -> list[dict]:
     """OpenAI-format chat messages -> the plain form the chat template reads.
 
-    Content becomes one string, tool-call arguments become dicts, and fields the template does not use
-    are dropped, so the same conversation normalizes to the same value whichever client sent it.
+    Content becomes one string (IMAGE where an image part was; the decoded images under "images"),
+    tool-call arguments become dicts, and fields the template does not use are dropped, so the same
+    conversation normalizes to the same value whichever client sent it.
     """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list of chat messages")
@@ -54,7 +67,10 @@ def normalize_messages(messages: Any, where: str) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise DataError(f"{at}.role is {role!r}; use one of {', '.join(ROLES)}")
-        out = {"role": role, "content": _text(message.get("content"), f"{at}.content")}
+        text, images = _content(message.get("content"), f"{at}.content")
+        out = {"role": role, "content": text}
+        if images:
+            out["images"] = images
         if role == "assistant" and message.get("tool_calls"):
             if not isinstance(message["tool_calls"], list):
                 raise DataError(f"{at}.tool_calls must be a list of tool calls")
@@ -67,16 +83,56 @@ def normalize_messages(messages: Any, where: str) -> list[dict]:
     return normalized
 
 
-def _text(content: Any, where: str) -> str:
+def _content(content: Any, where: str) -> tuple[str, list[Image.Image]]:
+    """Message content -> (text with IMAGE at each image, the images)."""
     if content is None:
-        return ""
+        return "", []
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str) for p in content
-    ):
-        return "".join(p.get("text", "") for p in content)
-    raise DataError(f"{where} must be a string or a list of text parts (images go in the row's 'images')")
+        return content, []
+    if not isinstance(content, list):
+        raise DataError(f"{where} must be a string or a list of text and image parts")
+    texts, images = [], []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text", ""), str):
+                raise DataError(f"{where}[{j}].text must be a string")
+            texts.append(part.get("text", ""))
+        elif kind in ("image_url", "image"):
+            images.append(_image(part, f"{where}[{j}]"))
+            texts.append(IMAGE)
+        else:
+            raise DataError(f"{where}[{j}] must be a text part, an image_url part with a data URL, or an image part")
+    return "".join(texts), images
+
+
+def _image(part: dict, where: str) -> Image.Image:
+    """An image part -> an RGB image. Only data URLs are read: nothing is fetched or opened."""
+    if part["type"] == "image":
+        if not isinstance(part.get("image"), Image.Image):
+            raise DataError(f"{where}: an 'image' part needs a PIL image under 'image'")
+        return part["image"].convert("RGB")
+    url = part.get("image_url", {}).get("url") if isinstance(part.get("image_url"), dict) else None
+    header, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+    if not (header.startswith("data:image/") and header.endswith(";base64")):
+        raise DataError(f"{where}: image_url.url must be a data URL (data:image/...;base64,...); nothing is fetched")
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as image:
+            return image.convert("RGB")
+    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(f"{where}: the data URL is not a readable image ({type(e).__name__})") from None
+
+
+def image_data_url(image: Image.Image) -> str:
+    """`image` as a PNG data URL, the form image parts carry in JSONL rows and chat requests."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def message_images(messages: list[dict]) -> list[Image.Image]:
+    """The images of normalized messages, in order: the order of IMAGE in their rendering."""
+    return [image for message in messages for image in message.get("images", ())]
 
 
 def _tool_call(call: Any, where: str) -> dict:
@@ -129,9 +185,6 @@ def validate_row(row: Any, where: str) -> None:
     if not any(message["content"].strip() or message.get("tool_calls") for message in messages):
         raise DataError(f"{where}: field 'messages': every message is empty; a prompt needs some text")
     normalize_tools(row.get("tools"), where)
-    images = row.get("images", [])
-    if not isinstance(images, list) or not all(isinstance(image, str) for image in images):
-        raise DataError(f"{where}: 'images' must be a list of image paths or URLs")
 
 
 def render(tokenizer, messages: list[dict], tools: Optional[list[dict]], add_generation_prompt: bool,
@@ -157,7 +210,38 @@ def render_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]],
                   chat_template: bool = True) -> list[int]:
     """The engine prompt for a conversation: the chat template with the generation prompt, tokenized."""
     text = render(tokenizer, messages, tools, add_generation_prompt=True, chat_template=chat_template)
+    return encode(tokenizer, text, len(message_images(messages)))
+
+
+def encode(tokenizer, text: str, num_images: int) -> list[int]:
+    """Prompt text -> ids, each IMAGE one token. Text that spells IMAGE itself would claim an image that is
+    not there (or take one that is): a DataError."""
+    if text.count(IMAGE) != num_images:
+        raise DataError(f"the text contains {text.count(IMAGE) - num_images} literal {IMAGE} beyond its "
+                        f"{num_images} image parts; {IMAGE} is reserved for images")
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_processor(plan: Plan):
+    """The model's HF processor when model.multimodal (it turns images into the actor's tensors), else None."""
+    if not plan.model.multimodal:
+        return None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(plan.model.path)
+    if getattr(processor, "image_token", None) != IMAGE:
+        raise ValueError(
+            f"model.path={plan.model.path}: its processor ({type(processor).__name__}) marks images with "
+            f"{getattr(processor, 'image_token', None)!r}; Molt's messages mark them with {IMAGE!r} "
+            f"(Idefics3/SmolVLM-family processors)"
+        )
+    return processor
+
+
+def image_inputs(processor, images: list[Image.Image]) -> dict[str, Any]:
+    """The actor's image tensors for one sequence's images: the processor's output for a batch of one
+    ([images, ...] each: pixel_values, pixel_attention_mask for Idefics3)."""
+    return {name: value[0] for name, value in processor.image_processor(images=[images], return_tensors="pt").items()}
 
 
 def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> list[dict]:
@@ -190,9 +274,10 @@ def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> 
             if isinstance(row, bytes):  # a line of the JSONL file
                 row = _parse_line(row, where)
             validate_row(row, where)
-            if row.get("images"):
-                raise DataError(f"{where}: field 'images': the rollout path sends text only; remove the images")
             messages, tools = normalize_messages(row["messages"], where), normalize_tools(row.get("tools"), where)
+            if message_images(messages) and not plan.model.multimodal:
+                raise DataError(f"{where}: field 'messages' has images, but model={plan.model.name} is not "
+                                f"multimodal (model.multimodal=false); use a vision-language model")
             try:
                 prompt_ids = render_prompt(tokenizer, messages, tools, chat_template)
             except DataError as e:
@@ -268,12 +353,16 @@ class Conversation:
     starts a new one from a fresh rendering. All segments share the rollout id.
     """
 
-    def __init__(self, tokenizer, rollout_id: str, group_id: str, chat_template: bool = True):
+    def __init__(self, tokenizer, rollout_id: str, group_id: str, chat_template: bool = True, processor=None):
         self.tokenizer = tokenizer
+        self.processor = processor  # load_processor(plan): None for a text-only model
         self.rollout_id = rollout_id
         self.group_id = group_id
         self.chat_template = chat_template
         self.segments: list[Trajectory] = []
+        # The current segment as the engine is sent it: one IMAGE token per image, where the segment's
+        # token_ids hold the engine's expansion of each. The same ids for a text-only conversation.
+        self.engine_ids: list[int] = []
         self.messages: list[dict] = []  # what the current segment's ids stand for, ending with the last reply
         self.tools: Optional[list[dict]] = None
         self.tail = ""  # template text after the last reply that the model did not sample (ChatML: "\n")
@@ -288,25 +377,37 @@ class Conversation:
         return render(self.tokenizer, messages, tools, add_generation_prompt, self.chat_template)
 
     def prompt_for(self, messages: list[dict], tools: Optional[list[dict]]) -> list[int]:
-        """The engine prompt for a request carrying these normalized messages and tools."""
+        """The engine prompt for a request carrying these normalized messages and tools; its images are
+        `message_images(messages)`."""
+        if message_images(messages) and self.processor is None:
+            raise DataError("the messages have images, but the model is not multimodal (model.multimodal=false)")
         n = len(self.messages)
         if self.segments and tools == self.tools and messages[:n] == self.messages:
             before = self._render(self.messages, tools, False)
             after = self._render(messages, tools, True)
             if after.startswith(before):
                 new = self.tail + after[len(before):]
-                return self.segments[-1].token_ids + self.tokenizer.encode(new, add_special_tokens=False)
+                return self.engine_ids + encode(self.tokenizer, new, len(message_images(messages[n:])))
         return render_prompt(self.tokenizer, messages, tools, self.chat_template)
 
     def add_turn(self, messages: list[dict], tools: Optional[list[dict]], prompt_ids: list[int],
                  sample: Sample, reply: dict) -> None:
         """Record one engine call: its prompt (from `prompt_for`), the sample, and the reply message."""
         segment = self.segments[-1] if self.segments else None
-        if segment is None or prompt_ids[: len(segment.token_ids)] != segment.token_ids:
+        if segment is None or prompt_ids[: len(self.engine_ids)] != self.engine_ids:
             segment = Trajectory(self.rollout_id, self.group_id, segment=len(self.segments))
             self.segments.append(segment)
-        segment.add_context(prompt_ids[len(segment.token_ids):])
+        # The engine's rendering: each image's IMAGE token expanded into the model's image tokens.
+        rendered = prompt_ids if sample.prompt_ids is None else sample.prompt_ids
+        if rendered[: len(segment.token_ids)] != segment.token_ids:
+            raise AssertionError(f"rollout {self.rollout_id}: the engine rendered the earlier turns' images "
+                                 f"differently from the trace")
+        segment.add_context(rendered[len(segment.token_ids):])
         segment.add_action(sample)
+        images = message_images(messages)
+        if images:  # all of the segment's images, in the order of their tokens
+            segment.multimodal = image_inputs(self.processor, images)
+        self.engine_ids = prompt_ids + sample.token_ids
         self.messages = messages + [reply]
         self.tools = tools
         # A reply that ended on the end-of-turn token already holds the start of the template's closing.

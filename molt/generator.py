@@ -1,8 +1,10 @@
 """Rollout engines: vLLM `AsyncLLM` engines as Ray actors, and the `Generator` client in front of them.
 
-Token ids in, token ids out: a request is a list of prompt ids, the answer a `Sample` with the sampled
-ids, the log-probability of each and the weight version each was sampled under (vLLM's
-`weight_versions` spans, expanded per token). The `Generator` keeps all requests of a session on one
+Token ids in, token ids out: a request is a list of prompt ids (and, for a vision-language model, the
+images of its IMAGE tokens), the answer a `Sample` with the sampled ids, the log-probability of each and
+the weight version each was sampled under (vLLM's `weight_versions` spans, expanded per token). vLLM renders
+a multimodal prompt, expanding each IMAGE token into the model's image tokens; the Sample carries that
+rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
 Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API: on CPU
@@ -105,6 +107,7 @@ class RolloutEngine:
         top_k: int,
         seed: Optional[int],
         request_id: str,
+        images: Optional[list] = None,
     ) -> Sample:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -119,7 +122,10 @@ class RolloutEngine:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
         )
-        async for output in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+        prompt = {"prompt_token_ids": prompt_ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        async for output in self.llm.generate(prompt, params, request_id):
             pass
         completion = output.outputs[0]
         token_ids = list(completion.token_ids)
@@ -134,6 +140,7 @@ class RolloutEngine:
             versions=versions,
             finish_reason=completion.finish_reason,
             routed_experts=routed,
+            prompt_ids=list(output.prompt_token_ids) if images else None,
         )
 
     async def generate_batch(self, requests: list[tuple]) -> list[Sample | BaseException]:
@@ -238,10 +245,12 @@ class Generator:
         top_k: int,
         session_id: Optional[str] = None,
         seed: Optional[int] = None,
+        images: Optional[list] = None,
     ) -> Sample:
+        """Sample a continuation of `prompt_ids`; `images` are the images of its IMAGE tokens, in order."""
         index = self.router.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
-        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id)
+        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id, images or None)
         sample = asyncio.get_running_loop().create_future()
         if not self.unsent[index]:
             asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick

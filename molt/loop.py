@@ -31,7 +31,7 @@ from transformers import AutoTokenizer
 
 from molt.agent import RolloutFailed, load_agent, run_chat_rollout, run_env_rollout
 from molt.chat_server import ChatServer
-from molt.data import load_dataset
+from molt.data import load_dataset, load_processor
 from molt.estimators import ESTIMATORS, dynamic_filter
 from molt.generator import Generator
 from molt.losses import adaptive_kl_coef, importance_weights, kl_penalty, mismatch_metrics, token_mean
@@ -211,6 +211,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
     if not ray.is_initialized():
         ray.init(address=plan.ray_address, include_dashboard=False, log_to_driver=False)
     tokenizer = AutoTokenizer.from_pretrained(plan.model.path)
+    processor = load_processor(plan)  # None for a text-only model
     agent = load_agent(plan.agent.path, plan.agent.form)
     rows = load_dataset(plan, agent, tokenizer, "train", size=plan.trainer.steps * plan.trainer.groups_per_step)
     eval_rows = load_dataset(plan, agent, tokenizer, "eval", size=plan.data.eval_size) if plan.logger.eval_every else []
@@ -227,7 +228,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         for actor_group in (reference, critic):
             if actor_group:
                 stack.callback(actor_group.shutdown)
-        server = ChatServer(generator, tokenizer, plan) if plan.agent.form == "chat" else None
+        server = ChatServer(generator, tokenizer, plan, processor) if plan.agent.form == "chat" else None
         if server:
             await server.start()
             stack.push_async_callback(server.stop)
@@ -235,7 +236,8 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         async def run_rollout(row: dict, rollout_id: str, group_id: str) -> list[Trajectory]:
             if server:
                 return await run_chat_rollout(agent.AgentRunner, row, server, plan, rollout_id, group_id)
-            return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id)
+            return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id,
+                                         processor)
 
         state = {"step": 0, "pool": {"next_index": 0, "reissue": []}, "kl_coef": plan.loss.kl_coef}
         resume_from = latest_checkpoint(checkpoints) if plan.checkpoint.resume else None

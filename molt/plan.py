@@ -22,11 +22,11 @@ class ModelPlan:
     name: str = "tiny"
     # HF-format checkpoint directory. For the tiny models it is generated on first use (molt/tiny.py).
     path: str = "${oc.env:MOLT_CACHE,${oc.env:HOME}/.cache/molt}/tiny-dense-warm300"
-    tiny: Optional[str] = "dense"  # "dense" | "moe": build `path` locally if missing; None = user checkpoint
+    tiny: Optional[str] = "dense"  # "dense" | "moe" | "vl": build `path` locally if missing; None = user checkpoint
     warm_start_steps: int = 300  # tiny models: supervised steps on the default task first (molt/tiny.py)
     moe: bool = False
     num_experts: int = 0
-    multimodal: bool = False
+    multimodal: bool = False  # a vision-language checkpoint: messages may carry images (molt/data.py)
     dtype: str = "float32"  # actor parameter dtype: float32 | bfloat16
     routing_replay: bool = False  # replay the engine's expert choices in the actor forward
     freeze_router: bool = False  # hold MoE gate weights fixed

@@ -1,9 +1,12 @@
-"""The tiny local models: a Qwen3 dense and a Qwen3-MoE checkpoint with a byte-level BPE tokenizer.
+"""The tiny local models: Qwen3 dense, Qwen3-MoE and Idefics3 vision-language checkpoints with a byte-level
+BPE tokenizer.
 
 Everything is generated here with a fixed seed, nothing is downloaded: random weights in HF format
 (safetensors) and a tokenizer trained on generated text that covers the default arithmetic task, with a
-Qwen-style ChatML template. `model=tiny` and `model=tiny_moe` build them on first use. Attention uses
-head_dim 64 because vLLM-CPU rejects smaller heads.
+Qwen-style ChatML template. `model=tiny`, `model=tiny_moe` and `model=tiny_vl` build them on first use.
+Attention uses head_dim 64 because vLLM-CPU rejects smaller heads. The vision-language model is an Idefics3
+(SmolVLM's architecture): vLLM-CPU serves it without torchvision, which the Qwen-VL processors need and
+which cannot be installed beside the CPU torch here (DESIGN.md section 6).
 """
 
 from __future__ import annotations
@@ -15,11 +18,27 @@ import tempfile
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3Processor,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
 SEED = 0
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The tokens Idefics3's processor expands an image into (rows/cols name the tiles of a split image).
+IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)
+]
+# Vision tower: 32x32 images in 8x8 patches; the connector merges 2x2 patches, so an image is 4 tokens.
+IMAGE_SIZE, PATCH_SIZE, SCALE_FACTOR = 32, 8, 2
 
 # Qwen2's pre-tokenizer split: digits one by one, words with their leading space.
 SPLIT_PATTERN = (
@@ -147,9 +166,9 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _config(kind: str, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config | Qwen3MoeConfig:
+def _config(kind: str, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config | Qwen3MoeConfig | Idefics3Config:
     common = dict(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=len(tokenizer),
         hidden_size=128,
         num_hidden_layers=2,
         num_attention_heads=2,
@@ -161,6 +180,13 @@ def _config(kind: str, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config | Qwen
         bos_token_id=None,
         dtype="float32",
     )
+    if kind == "vl":
+        text = LlamaConfig(intermediate_size=512, tie_word_embeddings=False, **common)
+        vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
+                      image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+        return Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=SCALE_FACTOR,
+                              image_token_id=tokenizer.convert_tokens_to_ids("<image>"), pad_token_id=tokenizer.pad_token_id,
+                              tie_word_embeddings=False)
     if kind == "dense":
         # Tied like the small Qwen3 checkpoints; the refit mends vLLM-CPU's tied-embedding handle.
         return Qwen3Config(intermediate_size=512, tie_word_embeddings=True, **common)
@@ -209,14 +235,17 @@ def warm_start(model, tokenizer, steps: int) -> None:
 
 
 def build_tiny(kind: str, path: str, warm_start_steps: int = 0) -> str:
-    """Write the tiny `kind` ("dense" or "moe") checkpoint and tokenizer to `path` unless it is there,
-    optionally warm-started on the default task (`warm_start`) for `warm_start_steps` steps.
+    """Write the tiny `kind` ("dense", "moe" or "vl") checkpoint and tokenizer (for "vl" also the image
+    processor) to `path` unless it is there, optionally warm-started on the default task (`warm_start`, text
+    models only) for `warm_start_steps` steps.
 
     The directory appears atomically (built in a sibling temp dir, then renamed), so a present
     `path/config.json` means a complete checkpoint and concurrent builders are harmless.
     """
-    if kind not in ("dense", "moe"):
-        raise ValueError(f"model.tiny={kind!r} is not a tiny model; use 'dense' or 'moe'")
+    if kind not in ("dense", "moe", "vl"):
+        raise ValueError(f"model.tiny={kind!r} is not a tiny model; use 'dense', 'moe' or 'vl'")
+    if kind == "vl" and warm_start_steps:
+        raise ValueError("model.warm_start_steps must be 0 for model.tiny=vl: the warm start is a text task")
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -228,13 +257,24 @@ def build_tiny(kind: str, path: str, warm_start_steps: int = 0) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}-", dir=parent)
     try:
         tokenizer = _build_tokenizer()
+        if kind == "vl":
+            tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
         torch.manual_seed(SEED)
-        model = AutoModelForCausalLM.from_config(_config(kind, tokenizer), dtype=torch.float32)
+        if kind == "vl":
+            model = Idefics3ForConditionalGeneration(_config(kind, tokenizer)).float()
+        else:
+            model = AutoModelForCausalLM.from_config(_config(kind, tokenizer), dtype=torch.float32)
         if warm_start_steps:
             warm_start(model, tokenizer, warm_start_steps)
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if kind == "vl":
+            # No image splitting: every image is resized to one 32x32 tile.
+            images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE_SIZE},
+                                               max_image_size={"longest_edge": IMAGE_SIZE})
+            image_seq_len = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR**2
+            Idefics3Processor(images, tokenizer, image_seq_len, chat_template=CHAT_TEMPLATE).save_pretrained(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if os.path.exists(path):
             os.rmdir(path)  # empty (checked above); rename needs it gone

@@ -13,6 +13,9 @@ from typing import Any, Optional
 
 import torch
 
+# The image inputs of the actor's forward, as Idefics3-family HF models name them (molt/data.py: image_inputs).
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask")
+
 
 @dataclass
 class Sample:
@@ -23,6 +26,8 @@ class Sample:
     versions: list[int]  # weight version each token was sampled under
     finish_reason: str  # "stop" | "length" | "abort"
     routed_experts: Optional[Any] = None  # [positions from 0, layers, top_k] when the engine returns routes
+    # A multimodal request's prompt as the engine rendered it (each image token expanded); None for text.
+    prompt_ids: Optional[list[int]] = None
 
 
 @dataclass
@@ -36,7 +41,8 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)  # -1 on context tokens
     # Per position, the experts the engine routed it to ([layers, top_k]) when it returns routes.
     routed_experts: list[Any] = field(default_factory=list)
-    multimodal: dict[str, Any] = field(default_factory=dict)  # e.g. pixel_values, image_grid_thw
+    # The image tensors of the segment's images for the actor (IMAGE_INPUTS; each [images, ...]), or empty.
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)
     reward: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     truncated: bool = False
@@ -101,6 +107,10 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] float32
     group_ids: torch.Tensor  # [B] long, rollouts of one prompt share an id
     routed_experts: Optional[torch.Tensor] = None  # [B, T, layers, top_k] int16, -1 where no route
+    # Multimodal: [B, images, 3, H, W] and [B, images, H, W]; padding images are all zero, which the
+    # Idefics3 forward skips.
+    pixel_values: Optional[torch.Tensor] = None
+    pixel_attention_mask: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]
@@ -134,9 +144,24 @@ def collate(trajectories: list[Trajectory]) -> TrainBatch:
         for row, t in enumerate(trajectories):
             if t.routed_experts:
                 routed_experts[row, : len(t.routed_experts)] = torch.as_tensor(t.routed_experts)
+    images = {name: _pad_images([t.multimodal.get(name) for t in trajectories]) for name in IMAGE_INPUTS}
     return TrainBatch(
         **{name: torch.stack([row[name] for row in rows]) for name in rows[0]},
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([group_index.setdefault(t.group_id, len(group_index)) for t in trajectories]),
         routed_experts=routed_experts,
+        **images,
     )
+
+
+def _pad_images(tensors: list[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+    """Per-sequence [images, ...] tensors -> one zero-padded [B, most images, ...] tensor (None if none)."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return None
+    shape = [max(sizes) for sizes in zip(*(t.shape for t in present))]
+    out = torch.zeros(len(tensors), *shape, dtype=present[0].dtype)
+    for row, t in enumerate(tensors):
+        if t is not None:
+            out[(row, *(slice(0, n) for n in t.shape))] = t
+    return out

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from molt import losses, routing
 from molt.placement import rank_resources
 from molt.plan import Plan, TrainerPlan
-from molt.trace import TrainBatch
+from molt.trace import IMAGE_INPUTS, TrainBatch
 
 CHECKPOINT_PREFIX = "step_"
 COMPLETE_MARKER = "extra.json"  # written last, just before the atomic rename
@@ -50,8 +50,9 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
 
     Returns (model, mesh): the parallelized model and AutoModel's MeshContext. Call on every rank after
     torch.distributed is initialised. This is the one place where CPU and GPU differ; on CPU expert parallel
-    uses AutoModel's native Qwen3-MoE class, everything else the HF classes. With value_head the
-    model is the same backbone with a new scalar head per token (HF's *ForTokenClassification): a critic.
+    uses AutoModel's native Qwen3-MoE class, everything else the HF classes (*ForImageTextToText for
+    model.multimodal). With value_head the model is the same backbone with a new scalar head per token (HF's
+    *ForTokenClassification): a critic.
     AutoModel is imported here, in the ranks, so that the driver does not pay for it.
     """
     from nemo_automodel.components.distributed.config import FSDP2Config
@@ -86,18 +87,24 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
         options["config"] = config
 
     if p.device == "cuda":
-        from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForTokenClassification
+        from nemo_automodel import (
+            NeMoAutoModelForCausalLM,
+            NeMoAutoModelForImageTextToText,
+            NeMoAutoModelForTokenClassification,
+        )
         from nemo_automodel.components.distributed.config import DistributedSetup
 
         setup = DistributedSetup.build(strategy, sizes, activation_checkpointing=checkpointing)
         auto_class = NeMoAutoModelForTokenClassification if value_head else NeMoAutoModelForCausalLM
+        if plan.model.multimodal:
+            auto_class = NeMoAutoModelForImageTextToText
         if needs_hf_routers(plan):
             options["force_hf"] = True  # AutoModel's native MoE Gate has no hooks for molt/routing.py
         return auto_class.from_pretrained(path, distributed_setup=setup, **options), setup.mesh_context
 
     # NeMoAutoModelForCausalLM.from_pretrained hard-codes CUDA; AutoModel's mesh and parallelizer run on gloo.
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
     mesh = MeshContext.build(strategy, sizes, activation_checkpointing=checkpointing)
     if p.ep_size != 1:
@@ -109,6 +116,8 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
             )
         return parallelize_model(_native_qwen3_moe(path, dtype), mesh), mesh
     auto_class = AutoModelForTokenClassification if value_head else AutoModelForCausalLM
+    if plan.model.multimodal:
+        auto_class = AutoModelForImageTextToText
     return parallelize_model(auto_class.from_pretrained(path, **options), mesh), mesh
 
 
@@ -268,19 +277,24 @@ class PolicyWorker:
         parts = {k: v if v is None else v.tensor_split(chunks) for k, v in shard.items()}
         return [{k: None if v is None else v[i] for k, v in parts.items()} for i in range(chunks)]
 
-    def _forward(self, token_ids: Tensor, attention_mask: Tensor, temperature: float,
-                 routed_experts: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """Log-probabilities [b, T] of the batch's own tokens (0 at position 0) and the temperature-scaled
-        logits [b, L-1, V] that predict tokens 1..L-1, where L is the longest sequence in this micro-batch.
-        Both on the model's device. With model.routing_replay the MoE layers use `routed_experts`
-        [b, T, layers, top_k] (molt/routing.py)."""
-        length = int(attention_mask.sum(1).max())
+    def _forward(self, mb: dict, temperature: float) -> tuple[Tensor, Tensor]:
+        """Log-probabilities [b, T] of the micro-batch's own tokens (0 at position 0) and the
+        temperature-scaled logits [b, L-1, V] that predict tokens 1..L-1, where L is the longest sequence in
+        the micro-batch. Both on the model's device. With model.routing_replay the MoE layers use
+        mb["routed_experts"] [b, T, layers, top_k] (molt/routing.py); a multimodal model gets the image
+        tensors (IMAGE_INPUTS) of the micro-batch's sequences."""
+        token_ids, routed_experts = mb["token_ids"], mb.get("routed_experts")
+        length = int(mb["attention_mask"].sum(1).max())
         ids = token_ids[:, :length].to(self.device)
         if self.routers is not None:
             replay = routed_experts is not None and self.plan.model.routing_replay
             self.routers.begin(routed_experts[:, :length] if replay else None)
+        images = {}
+        # A micro-batch of text-only sequences has only padding images, which the HF forward cannot take.
+        if mb.get("pixel_attention_mask") is not None and mb["pixel_attention_mask"].any():
+            images = {name: mb[name].to(self.device) for name in IMAGE_INPUTS}
         # Right padding: under causal attention real tokens never see the pads, so no attention mask is needed.
-        logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
+        logits = self.model(input_ids=ids, use_cache=False, **images).logits[:, :-1].float() / temperature
         logprobs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         return F.pad(logprobs, (1, token_ids.shape[1] - length)), logits
 
@@ -288,10 +302,7 @@ class PolicyWorker:
     def logprobs(self, data: dict, temperature: float) -> tuple[int, Tensor]:
         self.model.eval()
         shard = self._shard(data)
-        parts = [
-            self._forward(mb["token_ids"], mb["attention_mask"], temperature, mb["routed_experts"])[0].cpu()
-            for mb in self._micro_batches(shard)
-        ]
+        parts = [self._forward(mb, temperature)[0].cpu() for mb in self._micro_batches(shard)]
         return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
 
     def train_step(self, data: dict, num_tokens: int, kl_coef: float) -> dict[str, float]:
@@ -315,9 +326,7 @@ class PolicyWorker:
                 mb = {k: v if v is None else v.to(self.device) for k, v in mb.items()}
                 mask = mb["loss_mask"]
                 share = float(mask.sum()) / max(num_tokens, 1)
-                logprobs, logits = self._forward(
-                    mb["token_ids"], mb["attention_mask"], temperature, mb["routed_experts"]
-                )
+                logprobs, logits = self._forward(mb, temperature)
                 per_token, metrics = losses.policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mask, plan.loss, mb["is_weights"]
                 )
@@ -446,7 +455,12 @@ class PolicyWorker:
                 with torch.device("meta"):
                     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path))
             model.save_pretrained(path, state_dict=state)
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+            if self.plan.model.multimodal:
+                from transformers import AutoProcessor
+
+                AutoProcessor.from_pretrained(self.model_path).save_pretrained(path)  # its tokenizer too
+            else:
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -499,6 +513,7 @@ class Trainer:
         with copies of row 0 that carry no loss (every rank must run the same number of forward passes)."""
         data = dict(token_ids=batch.token_ids, attention_mask=batch.attention_mask,
                     action_mask=batch.action_mask, **tensors)
+        data.update({name: getattr(batch, name) for name in IMAGE_INPUTS if getattr(batch, name) is not None})
         pad = -len(batch) % self.plan.data_parallel_size
         if pad:
             rows = torch.cat([torch.arange(len(batch)), torch.zeros(pad, dtype=torch.long)])

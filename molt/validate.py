@@ -225,6 +225,25 @@ def validate(plan: Plan) -> list[str]:
         not (m.multimodal and par.sequence_packing),
         "model.multimodal=true with parallel.sequence_packing=true is not supported: set parallel.sequence_packing=false",
     )
+    need(
+        m.tiny is None or m.multimodal == (m.tiny == "vl"),
+        f"model.tiny={m.tiny} with model.multimodal={m.multimodal}: only the tiny vision-language model "
+        f"(model=tiny_vl) is multimodal",
+    )
+    need(
+        not (m.tiny == "vl" and m.warm_start_steps),
+        f"model.warm_start_steps={m.warm_start_steps} with model.tiny=vl: the warm start is a text task; set it to 0",
+    )
+    need(
+        not (m.multimodal and plan.critic.enabled),
+        "model.multimodal=true with critic.enabled=true: there is no value-head class for vision-language "
+        "models; use a critic-free estimator (e.g. estimator=grpo)",
+    )
+    need(
+        not (m.multimodal and par.device == "cpu" and par.ep_size != 1),
+        f"model.multimodal=true with parallel.ep_size={par.ep_size} on parallel.device=cpu: expert parallel on CPU "
+        f"shards AutoModel's native Qwen3-MoE only; use parallel.ep_size=1",
+    )
 
     # Batch shapes.
     rollouts = plan.rollouts_per_step

@@ -20,10 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt.agent import ChatAgent, Env, Result, RolloutFailed, load_agent, run_chat_rollout, run_env_rollout
-from molt.agents import anthropic_chat, arithmetic, calculator, openai_chat
+from molt.agents import anthropic_chat, arithmetic, calculator, colors, openai_chat
 from molt.agents.calculator import TOOLS
 from molt.chat_server import ChatServer
-from molt.data import Conversation, DataError, load_dataset, normalize_messages, render_prompt
+from molt.data import Conversation, DataError, image_data_url, load_dataset, normalize_messages, render_prompt
 from molt.generator import Generator
 from molt.plan import AgentPlan, DataPlan, ModelPlan, Plan, RolloutPlan
 from molt.tiny import build_tiny
@@ -459,16 +459,18 @@ def write_rows(tmp_path, *lines) -> Plan:
 
 
 GOOD = {"messages": [{"role": "user", "content": QUESTION}], "label": 7}
+PNG = image_data_url(colors.image("red"))
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"messages": [{"role": "user", "content": ["hi"]}]}, "row 2: messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "row 2: messages[0].content[0] must be a text part"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool": []}, "row 2: unknown field 'tool'"),
     ({"messages": []}, "row 2: 'messages' must be a non-empty list"),
     ({"messages": [{"content": "hi"}]}, "row 2: messages[0].role is None"),
     ({**GOOD, "tools": [{"type": "function"}]}, "row 2: tools[0] must look like"),
-    ({**GOOD, "images": "cat.png"}, "row 2: 'images' must be a list"),
-    ({**GOOD, "images": ["cat.png"]}, "row 2: field 'images': the rollout path sends text only"),
+    ({**GOOD, "images": ["cat.png"]}, "row 2: unknown field 'images'"),  # images are content parts
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": PNG}}]}]},
+     "row 2: field 'messages' has images, but model=tiny is not multimodal"),
     ({"messages": [{"role": "user", "content": "7 " * 100}]},
      "row 2: field 'messages' renders to 208 prompt tokens, over data.max_prompt_tokens=64"),
     ("{oops", "row 2: not valid JSON"),

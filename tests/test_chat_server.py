@@ -96,7 +96,7 @@ def test_openai_bad_requests_are_400_with_a_message(server, session, loop, body,
 ANTHROPIC_BAD = [
     ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},
-     "messages[0].content[0]: a 'image' block in a user message is not supported"),
+     "messages[0].content[0]: an image block needs a base64 source; nothing is fetched"),
     ({"model": "tiny", "max_tokens": 8, "messages": [{"role": "system", "content": "hi"}]},
      "messages[0] must be an object with role 'user' or 'assistant'"),
     ({"model": "tiny", "max_tokens": 8, "messages": HELLO, "tool_choice": {"type": "any"}}, "tool_choice="),

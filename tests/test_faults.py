@@ -285,8 +285,10 @@ BAD_ROWS = [
     ({"messages": [{"role": "system", "content": " "}, {"role": "user", "content": ""}]},
      "row 2: field 'messages': every message is empty"),
     ({"messages": [{"role": "user", "content": "4 + 4 " * 40}]}, "row 2: field 'messages' renders to"),
-    ({**GOOD, "images": ["data:image/png;base64,!!not-base64!!"]}, "row 2: field 'images'"),
-    ({**GOOD, "images": [{"url": "file:///etc/passwd"}]}, "row 2: 'images' must be a list of image paths"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]}]},
+     "row 2: messages[0].content[0]: the data URL is not a readable image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+     "row 2: messages[0].content[0]: image_url.url must be a data URL"),
     (b"\xff\xfe not utf-8", "row 2: not UTF-8 text"),
     ("[" * 100_000, "row 2: JSON nested too deeply"),
     ('{"messages": ' + "1" * 5000 + "}", "row 2: not valid JSON"),  # an integer too long to convert
