@@ -7,8 +7,8 @@ a multimodal prompt, expanding each IMAGE token into the model's image tokens; t
 rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
-Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API: on CPU
-with the backend in molt/refit_worker.py, on GPU with vLLM's NCCL backend.
+Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API with the
+backend in molt/refit_worker.py (the weights travel through host memory, on CPU and GPU alike).
 """
 
 from __future__ import annotations
@@ -42,18 +42,7 @@ ENGINE_ARG_FIELDS = (
 )
 
 
-def weight_transfer_backend(rollout: RolloutPlan, device: str) -> str:
-    """`rollout.weight_transfer` resolved to "cpu" or "nccl"."""
-    if rollout.weight_transfer == "auto":
-        return "nccl" if device == "cuda" else "cpu"
-    if rollout.weight_transfer not in ("cpu", "nccl"):
-        raise ValueError(f"rollout.weight_transfer={rollout.weight_transfer!r}: use auto, cpu or nccl")
-    if rollout.weight_transfer == "nccl" and device != "cuda":
-        raise ValueError("rollout.weight_transfer=nccl needs parallel.device=cuda; use auto or cpu")
-    return rollout.weight_transfer
-
-
-def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: int, return_routes: bool = False) -> dict:
+def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int, return_routes: bool = False) -> dict:
     """The vLLM engine arguments for this plan. On CPU it also sets the environment variables that
     vLLM-CPU reads when it is imported, so call it before importing vLLM. return_routes asks the engine
     for every position's routed experts (model.routing_replay)."""
@@ -63,7 +52,7 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: i
     repeated = sorted(set(rollout.engine_args) & set(engine_args))
     if repeated:
         raise ValueError(f"rollout.engine_args repeats {repeated}; set them as rollout.<name> instead")
-    if transfer == "cpu":
+    if device == "cpu":
         if rollout.kv_cache_gib != int(rollout.kv_cache_gib) or rollout.kv_cache_gib < 1:
             raise ValueError(f"rollout.kv_cache_gib={rollout.kv_cache_gib}: vLLM-CPU needs whole GiB >= 1")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(rollout.kv_cache_gib))
@@ -72,16 +61,15 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: i
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(rollout.cpu_reserved_cores)
         if rollout.cpu_preload_iomp:  # takes effect in the engine processes vLLM spawns
             os.environ["LD_PRELOAD"] = os.path.join(sys.prefix, "lib", "libiomp5.so")
-        from molt.refit_worker import CPU_BACKEND
-
-        engine_args["worker_extension_cls"] = "molt.refit_worker.RefitWorkerExtension"
-        engine_args["weight_transfer_config"] = {"backend": CPU_BACKEND}
     else:
-        engine_args["weight_transfer_config"] = {"backend": "nccl"}
         if rollout.tensor_parallel_size * rollout.data_parallel_size > 1:
             # Inside Molt's placement group vLLM would switch to its Ray executor and look for one GPU per
             # bundle; its own worker processes on the GPUs Ray gave this actor are what the placement reserved.
             engine_args["distributed_executor_backend"] = "mp"
+    from molt.refit_worker import BACKEND  # imports vLLM: after the environment above
+
+    engine_args["worker_extension_cls"] = "molt.refit_worker.RefitWorkerExtension"
+    engine_args["weight_transfer_config"] = {"backend": BACKEND}
     return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
 
 
@@ -89,9 +77,9 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, transfer: str, seed: i
 class RolloutEngine:
     """One vLLM `AsyncLLM` in its own Ray actor process."""
 
-    async def start(self, model_path: str, rollout: RolloutPlan, transfer: str, seed: int,
+    async def start(self, model_path: str, rollout: RolloutPlan, device: str, seed: int,
                     return_routes: bool = False) -> None:
-        engine_args = prepare_engine(model_path, rollout, transfer, seed, return_routes)
+        engine_args = prepare_engine(model_path, rollout, device, seed, return_routes)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -207,9 +195,8 @@ class Router:
 class Generator:
     """Client for `rollout.engines` engines; call from one asyncio event loop."""
 
-    def __init__(self, engines: list, transfer: str):
+    def __init__(self, engines: list):
         self.engines = engines
-        self.transfer = transfer
         self.router = Router(len(engines))
         # Requests made in the same event-loop tick (a group's samples, a batch of new groups) go to their
         # engine in one Ray call: on short answers a Ray call per request costs more than the generation.
@@ -223,12 +210,11 @@ class Generator:
         rollout = plan.rollout
         if rollout.engines < 1:
             raise ValueError(f"rollout.engines={rollout.engines}: need at least one engine")
-        transfer = weight_transfer_backend(rollout, plan.parallel.device)
         strategies = placement or [None] * rollout.engines
         engines = [RolloutEngine.options(**engine_resources(plan), scheduling_strategy=s).remote() for s in strategies]
-        generator = cls(engines, transfer)
+        generator = cls(engines)
         try:
-            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, transfer, plan.seed,
+            await asyncio.gather(*(e.start.remote(plan.model.path, rollout, plan.parallel.device, plan.seed,
                                                   plan.model.routing_replay) for e in engines))
         except BaseException:
             await generator.shutdown()
@@ -292,10 +278,6 @@ class Generator:
     async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """Load the whole model, `named_tensors` in HF naming (as `model.state_dict()` names them;
         fused MoE experts included), into every engine and label it `version`. Engines must be paused."""
-        if self.transfer != "cpu":
-            # On GPU the trainer drives vLLM's NCCL backend (NCCLTrainerWeightTransferEngine) against the
-            # engines' weight-transfer API; tensors never pass through this client.
-            raise NotImplementedError("NCCL refit is driven by the trainer, not by Generator.update_weights")
         buffer = io.BytesIO()
         torch.save({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}, buffer)
         payload = ray.put(buffer.getvalue())  # one copy in the object store, shared by all engines

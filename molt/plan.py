@@ -60,7 +60,8 @@ class RolloutPlan:
     enforce_eager: bool = True
     max_model_len: int = 512
     logprobs_mode: str = "processed_logprobs"  # processed_logprobs | raw_logprobs
-    weight_transfer: str = "auto"  # auto (cpu backend on cpu, nccl on cuda) | nccl | cpu
+    # auto | cpu: through host memory (molt/refit_worker.py), on GPU too; nccl: not written yet (refused)
+    weight_transfer: str = "auto"
     samples_per_prompt: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

@@ -196,6 +196,12 @@ def validate(plan: Plan) -> list[str]:
         "not supported; set parallel.sequence_packing=false",
     )
 
+    need(
+        ro.weight_transfer != "nccl",
+        "rollout.weight_transfer=nccl: the trainer side of vLLM's NCCL weight transfer is not written yet; use "
+        "auto (the weights travel through host memory, on GPU too)",
+    )
+
     # Forward consistency: MoE routing and multimodal inputs.
     if m.routing_replay:
         need(
@@ -271,10 +277,6 @@ def validate(plan: Plan) -> list[str]:
         need(
             ro.tensor_parallel_size == 1 and ro.data_parallel_size == 1,
             "rollout.tensor_parallel_size / data_parallel_size > 1 need GPUs; on parallel.device=cpu use 1",
-        )
-        need(
-            ro.weight_transfer != "nccl",
-            "rollout.weight_transfer=nccl needs GPUs; on parallel.device=cpu use auto or cpu",
         )
         need(m.dtype == "float32", f"model.dtype={m.dtype} on CPU: use float32 so actor and engine logprobs agree")
     try:

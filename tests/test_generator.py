@@ -9,9 +9,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.generator import Generator, Router, request_seed, weight_transfer_backend
+from molt.generator import Generator, Router, prepare_engine, request_seed
 from molt.plan import ModelPlan, Plan, RolloutPlan
 from molt.tiny import build_tiny
+from molt.validate import validate
+from runs import compose_plan
 
 TOLERANCE = 1e-5
 
@@ -208,10 +210,14 @@ def test_router_keeps_sessions_and_balances_new_ones():
     assert router.acquire(None) in (0, 1) and None not in router.session_engine
 
 
-def test_weight_transfer_choice():
-    assert weight_transfer_backend(RolloutPlan(), "cpu") == "cpu"
-    assert weight_transfer_backend(RolloutPlan(), "cuda") == "nccl"
-    with pytest.raises(ValueError, match="rollout.weight_transfer=nccl needs parallel.device=cuda"):
-        weight_transfer_backend(RolloutPlan(weight_transfer="nccl"), "cpu")
-    with pytest.raises(ValueError, match="rollout.weight_transfer='ipc'"):
-        weight_transfer_backend(RolloutPlan(weight_transfer="ipc"), "cuda")
+def test_refit_goes_through_host_memory_on_both_devices():
+    from molt.refit_worker import BACKEND
+
+    for device in ("cpu", "cuda"):
+        args = prepare_engine("/m", RolloutPlan(tensor_parallel_size=2), device, seed=0)
+        assert args["weight_transfer_config"] == {"backend": BACKEND}
+        assert args["worker_extension_cls"] == "molt.refit_worker.RefitWorkerExtension"
+        assert ("distributed_executor_backend" in args) == (device == "cuda")  # vLLM's own workers on GPU
+    gpu = compose_plan("parallel=fsdp8", "rollout=gpu", "rollout.weight_transfer=nccl")
+    assert any("rollout.weight_transfer=nccl: the trainer side" in problem for problem in validate(gpu))
+    assert not any("weight_transfer" in problem for problem in validate(compose_plan("parallel=fsdp8", "rollout=gpu")))
