@@ -25,7 +25,6 @@ they are and only messages added since are rendered and appended.
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import json
 import re
@@ -44,6 +43,7 @@ ROLES = ("system", "user", "assistant", "tool")
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # Where an image sits in a message's text: the placeholder token of Idefics3-family processors (molt/tiny.py).
 IMAGE = "<image>"
+MAX_IMAGE_PIXELS = 4096 * 4096  # larger images are refused before they are decoded
 
 
 class DataError(ValueError):
@@ -118,8 +118,12 @@ def _image(part: dict, where: str) -> Image.Image:
         raise DataError(f"{where}: image_url.url must be a data URL (data:image/...;base64,...); nothing is fetched")
     try:
         with Image.open(io.BytesIO(base64.b64decode(data, validate=True))) as image:
+            if image.width * image.height > MAX_IMAGE_PIXELS:  # read from the header, before decoding
+                raise DataError(f"{where}: the image is {image.width}x{image.height}, over {MAX_IMAGE_PIXELS} pixels")
             return image.convert("RGB")
-    except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+    except DataError:
+        raise
+    except Exception as e:  # PIL's decoders raise many kinds of errors (OSError, SyntaxError, ...) on bad bytes
         raise DataError(f"{where}: the data URL is not a readable image ({type(e).__name__})") from None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoTokenizer
 
 from molt.agent import run_chat_rollout, run_env_rollout
@@ -68,6 +69,8 @@ def test_image_parts_become_image_tokens_and_decoded_images():
     (image_part("https://example.com/cat.png"), "t: messages[0].content[0]: image_url.url must be a data URL"),
     (image_part("data:image/png;base64,bm90IGFuIGltYWdl"), "content[0]: the data URL is not a readable image"),
     (image_part("data:image/png;base64,%%%"), "content[0]: the data URL is not a readable image"),
+    (image_part(RED[:120]), "content[0]: the data URL is not a readable image"),  # a truncated PNG
+    (image_part(image_data_url(Image.new("1", (5000, 4000)))), "content[0]: the image is 5000x4000, over"),
     ({"type": "image", "image": "cat.png"}, "content[0]: an 'image' part needs a PIL image"),
     ({"type": "input_audio"}, "content[0] must be a text part, an image_url part with a data URL, or an image part"),
 ])
