@@ -218,9 +218,9 @@ def render_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]],
 
 
 def encode(tokenizer, text: str, num_images: int) -> list[int]:
-    """Prompt text -> ids, each IMAGE one token. Text that spells IMAGE itself would claim an image that is
-    not there (or take one that is): a DataError."""
-    if text.count(IMAGE) != num_images:
+    """Prompt text -> ids, each IMAGE one token. Where IMAGE is a special token (a vision-language model),
+    text that spells it would claim an image that is not there (or take one that is): a DataError."""
+    if IMAGE in tokenizer.all_special_tokens and text.count(IMAGE) != num_images:
         raise DataError(f"the text contains {text.count(IMAGE) - num_images} literal {IMAGE} beyond its "
                         f"{num_images} image parts; {IMAGE} is reserved for images")
     return tokenizer.encode(text, add_special_tokens=False)

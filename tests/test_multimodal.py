@@ -28,7 +28,7 @@ from molt.generator import Generator
 from molt.chat_server import ChatServer
 from molt.loop import train
 from molt.plan import AgentPlan, ModelPlan, Plan, RolloutPlan
-from molt.tiny import build_tiny
+from molt.tiny import _build_tokenizer, build_tiny
 from molt.trace import Trajectory, collate
 from molt.trainer import Trainer
 from molt.validate import validate
@@ -86,10 +86,13 @@ def test_text_spelling_the_image_token_is_refused(vl_path):
         conversation.prompt_for(messages, None)
 
 
-def test_a_text_model_refuses_images(vl_path):
+def test_a_text_model_refuses_images_and_keeps_the_literal_text(vl_path):
     conversation = Conversation(AutoTokenizer.from_pretrained(vl_path), "r", "g")  # no processor: text only
     with pytest.raises(DataError, match="the model is not multimodal"):
         conversation.prompt_for(normalize_messages([{"role": "user", "content": [image_part(RED)]}], "t"), None)
+    text_only = _build_tokenizer()  # the tiny text models' tokenizer: IMAGE is plain text there
+    prompt = Conversation(text_only, "r", "g").prompt_for([{"role": "user", "content": f"Write {IMAGE}"}], None)
+    assert f"Write {IMAGE}" in text_only.decode(prompt)
 
 
 def test_anthropic_image_blocks_become_data_url_parts():
