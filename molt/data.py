@@ -176,8 +176,9 @@ def normalize_tools(tools: Any, where: str) -> Optional[list[dict]]:
     return normalized
 
 
-def validate_row(row: Any, where: str) -> None:
-    """Raise DataError naming the row and field unless `row` has the dataset format."""
+def validate_row(row: Any, where: str) -> tuple[list[dict], Optional[list[dict]]]:
+    """The row's normalized messages and tools; a DataError naming the row and field unless `row` has the
+    dataset format."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object with 'messages'")
     unknown = sorted(set(row) - set(ROW_FIELDS))
@@ -188,7 +189,7 @@ def validate_row(row: Any, where: str) -> None:
     messages = normalize_messages(row.get("messages"), where)
     if not any(message["content"].strip() or message.get("tool_calls") for message in messages):
         raise DataError(f"{where}: field 'messages': every message is empty; a prompt needs some text")
-    normalize_tools(row.get("tools"), where)
+    return messages, normalize_tools(row.get("tools"), where)
 
 
 def render(tokenizer, messages: list[dict], tools: Optional[list[dict]], add_generation_prompt: bool,
@@ -277,8 +278,7 @@ def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> 
         try:
             if isinstance(row, bytes):  # a line of the JSONL file
                 row = _parse_line(row, where)
-            validate_row(row, where)
-            messages, tools = normalize_messages(row["messages"], where), normalize_tools(row.get("tools"), where)
+            messages, tools = validate_row(row, where)  # images decoded once
             if message_images(messages) and not plan.model.multimodal:
                 raise DataError(f"{where}: field 'messages' has images, but model={plan.model.name} is not "
                                 f"multimodal (model.multimodal=false); use a vision-language model")

