@@ -41,8 +41,7 @@ asymmetries:
                TRL: Hugging Face generate() in the trainer process, then training (synchronous).
   threads      Molt's trainer rank is a Ray actor with OMP_NUM_THREADS=1, the engine binds its own core(s);
                TRL trains and generates in one process with torch's default threads (all cores).
-  log-probs    Molt recomputes the old log-probs with an extra forward (the engine's differ, and batches can
-               be a step stale); TRL with num_iterations=1 takes them from the training forward.
+  log-probs    both take the old log-probs from the training forward (one pass over each batch).
   correction   Molt applies token-level importance correction for the engine/actor mismatch; TRL has none.
   data order   the same rows, each framework's own shuffle.
   (aligned: gradient checkpointing off in both; TRL's default is on)"""
@@ -165,7 +164,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="molt-bench-trl-")
     overrides = ["estimator=grpo", "schedule=async", f"trainer.steps={cfg['steps']}",
                  f"trainer.groups_per_step={cfg['groups']}", f"rollout.samples_per_prompt={SAMPLES}",
-                 f"trainer.micro_batch_size={MICRO_BATCH}", f"trainer.lr={LR}", *cfg["overrides"]]
+                 f"trainer.micro_batch_size={MICRO_BATCH}", f"trainer.lr={LR}", "trainer.lr_schedule=constant",
+                 *cfg["overrides"]]
     runs = [measure(run_molt(overrides, os.path.join(root, f"molt-{rep}")), run_trl(path, cfg), cfg)
             for rep in range(args.repeats)]
 

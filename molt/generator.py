@@ -73,6 +73,15 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int
     return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
 
 
+def pack_weights(named_tensors: dict[str, torch.Tensor]) -> bytes:
+    """The refit payload that the engines' weight-transfer backend loads (molt/refit_worker.py): torch.save
+    bytes of the whole model's tensors on CPU, in HF naming (as `model.state_dict()` names them, fused MoE
+    experts included)."""
+    buffer = io.BytesIO()
+    torch.save({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}, buffer)
+    return buffer.getvalue()
+
+
 @ray.remote
 class RolloutEngine:
     """One vLLM `AsyncLLM` in its own Ray actor process."""
@@ -275,12 +284,11 @@ class Generator:
         the next weights; otherwise they run to completion on the current ones before this returns."""
         await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
 
-    async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load the whole model, `named_tensors` in HF naming (as `model.state_dict()` names them;
-        fused MoE experts included), into every engine and label it `version`. Engines must be paused."""
-        buffer = io.BytesIO()
-        torch.save({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}, buffer)
-        payload = ray.put(buffer.getvalue())  # one copy in the object store, shared by all engines
+    async def update_weights(self, payload: bytes | ray.ObjectRef, version: int) -> None:
+        """Load the whole model into every engine and label it `version`. `payload` is `pack_weights` of
+        the state dict, or a Ray reference to it (`Trainer.weights`). Engines must be paused."""
+        if isinstance(payload, bytes):
+            payload = ray.put(payload)  # one copy in the object store, shared by all engines
         await asyncio.gather(*(e.update_weights.remote(payload, version) for e in self.engines))
 
     async def resume(self) -> None:

@@ -4,8 +4,9 @@ Ray places the rollout engines (molt/generator.py) and the policy actor ranks (m
 driver runs one asyncio event loop in which the prompt-group pool keeps agent rollouts in flight while the
 actor trains, so the engines never drain. Each optimizer step:
 
-    wait for a batch of complete groups -> recompute old (and reference) log-probs on the actor ->
-    importance weights + advantages (pure functions) -> train -> refit the engines -> log, checkpoint
+    wait for a batch of complete groups -> (reference log-probs and values) -> advantages (pure
+    functions) -> train, the actor's log-probs against the engine's giving each token's importance
+    weight -> refit the engines -> log, checkpoint
     (-> every logger.eval_every steps: score the eval split on the new weights)
 
 `schedule.queue_depth` bounds how far generation runs ahead of training (1 = sync, no overlap).
@@ -31,16 +32,18 @@ from transformers import AutoTokenizer
 
 from molt.agent import RolloutFailed, load_agent, run_chat_rollout, run_env_rollout
 from molt.chat_server import ChatServer
+from molt.critic import Critic
 from molt.data import load_dataset, load_processor
 from molt.estimators import ESTIMATORS, dynamic_filter
 from molt.generator import Generator
-from molt.losses import adaptive_kl_coef, importance_weights, kl_penalty, mismatch_metrics, token_mean
+from molt.losses import (adaptive_kl_coef, importance_weights, kl_penalty, mismatch_metrics, staleness_mask,
+                         token_mean)
 from molt.placement import reserve
 from molt.plan import Plan
 from molt.tiny import build_tiny
 from molt.trace import Trajectory, check_token_identity, collate
 from molt.tracking import Tracker
-from molt.trainer import Critic, Trainer, latest_checkpoint
+from molt.trainer import Trainer, latest_checkpoint
 
 
 class EngineDied(RuntimeError):
@@ -358,16 +361,18 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
     batch = collate(segments)
     temperature, loss = plan.rollout.temperature, plan.loss
 
-    # The actor recomputes log-probs of the exact sampled ids; the engine's stay for importance correction.
-    old_logprobs = await asyncio.to_thread(trainer.logprobs, batch, temperature, batch.routed_experts)
+    # The actor scores the exact sampled ids; the engine's log-probs stay for the importance correction.
+    # Its old log-probs come from a pass of their own only where something needs them before the update
+    # (the reference's KL or teacher term, or several epochs); otherwise the one training forward runs on
+    # the same weights and train_step takes them from it.
+    old_logprobs = None
+    if reference or plan.trainer.epochs_per_batch > 1:
+        old_logprobs = await asyncio.to_thread(trainer.logprobs, batch, temperature, batch.routed_experts)
     ref_logprobs = await asyncio.to_thread(reference.logprobs, batch, temperature) if reference else None
     values = await asyncio.to_thread(critic.values, batch) if critic else None
     t_logprobs = time.perf_counter()
 
-    is_weights, loss_mask, is_metrics = importance_weights(
-        old_logprobs, batch.rollout_logprobs, batch.action_mask, loss.importance_sampling,
-        versions=batch.versions, current_version=version,
-    )
+    loss_mask = staleness_mask(batch.action_mask, batch.versions, version, loss.importance_sampling.max_staleness)
     kl_reward, kl_metrics = None, {}
     if ref_logprobs is not None:
         kl_tokens = kl_penalty(old_logprobs, ref_logprobs, loss.kl_estimator) * batch.action_mask
@@ -383,10 +388,11 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
     t_advantage = time.perf_counter()
 
     kl_loss_ref = ref_logprobs if (kl_coef > 0 and not loss.kl_in_reward) else None
-    train_metrics = await asyncio.to_thread(
-        trainer.train_step, batch, advantages, old_logprobs, loss_mask, is_weights, kl_loss_ref,
-        batch.routed_experts, kl_coef,
+    train_metrics, old_logprobs = await asyncio.to_thread(
+        trainer.train_step, batch, advantages, old_logprobs, loss_mask, kl_loss_ref, batch.routed_experts, kl_coef,
     )
+    # the weights train_step applied, recomputed here over the whole batch for their metrics
+    _, is_metrics = importance_weights(old_logprobs, batch.rollout_logprobs, loss_mask, loss.importance_sampling)
     if critic:
         critic_metrics = await asyncio.to_thread(critic.train_step, batch, returns, values, loss_mask)
         train_metrics |= {f"critic/{k}": v for k, v in critic_metrics.items()}
@@ -404,6 +410,7 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
     trained_tokens = float(batch.action_mask.sum())
     metrics = {
         **rollout_metrics(groups, version),
+        "is/stale_token_frac": float((batch.action_mask & ~loss_mask).sum() / batch.action_mask.sum().clamp(min=1)),
         **is_metrics,
         **kl_metrics,
         **mismatch_metrics(batch.rollout_logprobs, old_logprobs, batch.action_mask),
@@ -427,7 +434,7 @@ async def refit(generator: Generator, trainer: Trainer, version: int, keep_reque
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
     the version it was sampled under; otherwise in-flight requests finish on the old weights first.
     """
-    weights = await asyncio.to_thread(trainer.state_dict)
+    weights = await asyncio.to_thread(trainer.weights)
     await generator.pause(keep_requests=keep_requests)
     try:
         await generator.update_weights(weights, version)

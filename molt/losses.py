@@ -33,30 +33,28 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clamp: fl
     raise ValueError(f"loss.kl_estimator='{estimator}' is not one of k1, k2, k3")
 
 
-def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor,
-                       cfg: ImportanceSamplingPlan, versions: Tensor | None = None,
-                       current_version: int | None = None) -> tuple[Tensor, Tensor, dict[str, float]]:
+def staleness_mask(action_mask: Tensor, versions: Tensor, current_version: int,
+                   max_staleness: int | None) -> Tensor:
+    """The loss mask: the action tokens sampled at most max_staleness weight versions before
+    current_version (all of them with max_staleness None). Tokens outside it drop out of the loss and of
+    its denominator."""
+    if max_staleness is None:
+        return action_mask
+    return action_mask & (current_version - versions <= max_staleness)
+
+
+def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor,
+                       cfg: ImportanceSamplingPlan) -> tuple[Tensor, dict[str, float]]:
     """Stop-gradient weights that correct for tokens sampled by the engine's policy, not the trainer's.
 
     w_t = exp(log π_old − log π_rollout). Level `token` weights each token by w_t, `seq` every token of a
     sequence by the product of its w_t, `geo` by their geometric mean. Mode `mask` zeroes weights outside
     [low, high] (at seq/geo level this gates out the whole sequence), `clip` clamps them into it, `trunc`
-    caps them at high. Masked tokens stay in the loss denominator.
-
-    With cfg.max_staleness set, action tokens sampled more than that many weight versions before
-    `current_version` leave the returned loss_mask: they drop out of the loss and its denominator.
-    Weights are meaningful on loss_mask only; with cfg.enabled False they are all ones.
+    caps them at high. Masked tokens stay in the loss denominator. Weights are meaningful on loss_mask
+    only; with cfg.enabled False they are all ones.
     """
-    loss_mask = action_mask
-    if cfg.max_staleness is not None:
-        if versions is None or current_version is None:
-            raise ValueError(
-                "loss.importance_sampling.max_staleness needs the token versions and the current version"
-            )
-        loss_mask = action_mask & (current_version - versions <= cfg.max_staleness)
-    metrics = {"is/stale_token_frac": _fraction(action_mask & ~loss_mask, action_mask)}
     if not cfg.enabled:
-        return torch.ones_like(old_logprobs), loss_mask, metrics
+        return torch.ones_like(old_logprobs), {}
     if cfg.level not in ("token", "seq", "geo") or cfg.mode not in ("mask", "clip", "trunc"):
         raise ValueError(
             f"loss.importance_sampling level='{cfg.level}' mode='{cfg.mode}': level must be token, seq or "
@@ -82,10 +80,11 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, action_ma
 
     filtered = outside & loss_mask
     has_tokens = loss_mask.any(1)
-    metrics["is/filtered_token_frac"] = _fraction(filtered, loss_mask)
-    metrics["is/filtered_seq_frac"] = _fraction(filtered.any(1), has_tokens)
-    metrics["is/weight_mean"] = _masked_mean(weights, loss_mask)
-    return weights, loss_mask, metrics
+    return weights, {
+        "is/filtered_token_frac": _fraction(filtered, loss_mask),
+        "is/filtered_seq_frac": _fraction(filtered.any(1), has_tokens),
+        "is/weight_mean": _masked_mean(weights, loss_mask),
+    }
 
 
 def mismatch_metrics(rollout_logprobs: Tensor, old_logprobs: Tensor, action_mask: Tensor) -> dict[str, float]:

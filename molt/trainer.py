@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from molt import losses, routing
+from molt.generator import pack_weights
 from molt.placement import rank_resources
 from molt.plan import Plan, TrainerPlan
 from molt.trace import IMAGE_INPUTS, TrainBatch
@@ -305,8 +306,13 @@ class PolicyWorker:
         parts = [self._forward(mb, temperature)[0].cpu() for mb in self._micro_batches(shard)]
         return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
 
-    def train_step(self, data: dict, num_tokens: int, kl_coef: float) -> dict[str, float]:
+    def train_step(self, data: dict, num_tokens: int, kl_coef: float) -> tuple[int, Optional[Tensor], dict]:
+        """Returns (dp rank, the old log-probs of this rank's rows if it computed them, metrics). Without
+        data["old_logprobs"] (one epoch only) they are this forward's own, detached: the weights do not
+        change before the optimizer step at the end."""
         plan = self.plan
+        shard = self._shard(data)
+        own_old_logprobs = []
         temperature = plan.rollout.temperature  # the new policy is scored like the old one: as sampled
         use_kl = data["ref_logprobs"] is not None
         kl_in_loss = use_kl and not plan.loss.kl_in_reward and kl_coef != 0
@@ -321,14 +327,21 @@ class PolicyWorker:
 
         for _ in range(plan.trainer.epochs_per_batch):
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in self._micro_batches(self._shard(data)):
+            for mb in self._micro_batches(shard):
                 start = time.perf_counter()
                 mb = {k: v if v is None else v.to(self.device) for k, v in mb.items()}
                 mask = mb["loss_mask"]
                 share = float(mask.sum()) / max(num_tokens, 1)
                 logprobs, logits = self._forward(mb, temperature)
+                old_logprobs = mb["old_logprobs"]
+                if old_logprobs is None:
+                    old_logprobs = logprobs.detach()
+                    own_old_logprobs.append(old_logprobs.cpu())
+                is_weights, _ = losses.importance_weights(
+                    old_logprobs, mb["rollout_logprobs"], mask, plan.loss.importance_sampling
+                )
                 per_token, metrics = losses.policy_loss(
-                    logprobs, mb["old_logprobs"], mb["advantages"], mask, plan.loss, mb["is_weights"]
+                    logprobs, old_logprobs, mb["advantages"], mask, plan.loss, is_weights
                 )
                 policy = losses.token_mean(per_token, mask, num_tokens)
                 loss = policy
@@ -365,13 +378,16 @@ class PolicyWorker:
             grad_norms.append(float(self._clip_and_step()))
 
         epochs = plan.trainer.epochs_per_batch
-        sums = _all_reduce(sums, dist.ReduceOp.SUM, self.dp_group)
+        sums = all_reduce_metrics(sums, dist.ReduceOp.SUM, self.dp_group)
         result = {name: value / epochs for name, value in sums.items()}
-        result.update(_all_reduce(maxima, dist.ReduceOp.MAX, self.dp_group))
+        result.update(all_reduce_metrics(maxima, dist.ReduceOp.MAX, self.dp_group))
         if "moe/routes_compared" in result:
             compared = result.pop("moe/routes_compared")
             result["moe/routing_agreement"] = result.pop("moe/routes_matching") / max(compared, 1)
-        return result | {
+        old_logprobs = None
+        if own_old_logprobs:
+            old_logprobs = torch.where(shard["action_mask"], torch.cat(own_old_logprobs), 0.0)
+        return self.dp_rank, old_logprobs, result | {
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lrs[-1],
             "optimizer_steps": self.scheduler.last_epoch,
@@ -420,6 +436,10 @@ class PolicyWorker:
             return None
         return hf_layout(state) if _is_native(self.model) else state
 
+    def packed_state_dict(self) -> Optional[bytes]:
+        state = self.state_dict()
+        return None if state is None else pack_weights(state)
+
     def save(self, path: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
@@ -467,7 +487,7 @@ class PolicyWorker:
             dist.destroy_process_group()
 
 
-def _all_reduce(values: dict[str, float], op, group) -> dict[str, float]:
+def all_reduce_metrics(values: dict[str, float], op, group) -> dict[str, float]:
     """Reduce a dict of scalars over the data-parallel ranks in one collective."""
     names = sorted(values)
     reduced = torch.tensor([values[n] for n in names], dtype=torch.float64)
@@ -533,29 +553,43 @@ class Trainer:
             raise ValueError(f"temperature must be positive, got {temperature}")
         _check_routes(batch, routed_experts)
         data = self._put(batch, routed_experts=routed_experts)
-        return _gather_rows(ray.get([w.logprobs.remote(data, temperature) for w in self.workers]), len(batch))
+        return gather_rows(ray.get([w.logprobs.remote(data, temperature) for w in self.workers]), len(batch))
 
-    def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Tensor, loss_mask: Tensor,
-                   is_weights: Optional[Tensor] = None, ref_logprobs: Optional[Tensor] = None,
-                   routed_experts: Optional[Tensor] = None, kl_coef: Optional[float] = None) -> dict[str, float]:
-        """plan.trainer.epochs_per_batch passes over the batch, one optimizer step per pass. Returns the
-        loss terms (global token means), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE
-        models loss/moe_aux and, given the engine's `routed_experts` [B, T, layers, top_k] (replayed with
-        model.routing_replay), moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term
-        against ref_logprobs; the loop passes the adaptive controller's current value."""
+    def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Optional[Tensor], loss_mask: Tensor,
+                   ref_logprobs: Optional[Tensor] = None, routed_experts: Optional[Tensor] = None,
+                   kl_coef: Optional[float] = None) -> tuple[dict[str, float], Tensor]:
+        """plan.trainer.epochs_per_batch passes over the batch, one optimizer step per pass, each token's
+        loss weighted by its importance weight (loss.importance_sampling) of old_logprobs against the
+        engine's batch.rollout_logprobs. old_logprobs None (one epoch only) takes the old log-probs from the
+        training forward itself, which runs on the same weights as a separate `logprobs` pass would.
+
+        Returns the metrics and the old log-probs used [B, T]. Metrics: the loss terms (global token
+        means), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE models loss/moe_aux and,
+        given the engine's `routed_experts` [B, T, layers, top_k] (replayed with model.routing_replay),
+        moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term against ref_logprobs;
+        the loop passes the adaptive controller's current value."""
         self._require_trainable("train")
-        _check_shapes(batch, advantages=advantages, old_logprobs=old_logprobs, loss_mask=loss_mask,
-                      is_weights=is_weights, ref_logprobs=ref_logprobs)
+        if old_logprobs is None and self.plan.trainer.epochs_per_batch != 1:
+            raise ValueError(
+                f"train_step needs old_logprobs with trainer.epochs_per_batch="
+                f"{self.plan.trainer.epochs_per_batch}: later epochs must not score the old policy with "
+                f"updated weights"
+            )
+        check_shapes(batch, advantages=advantages, old_logprobs=old_logprobs, loss_mask=loss_mask,
+                      ref_logprobs=ref_logprobs)
         _check_routes(batch, routed_experts)
         start = time.perf_counter()
         num_tokens = int(loss_mask.sum())
-        data = self._put(batch, advantages=advantages.float(), old_logprobs=old_logprobs.float(),
-                         loss_mask=loss_mask.bool(), is_weights=is_weights, ref_logprobs=ref_logprobs,
-                         routed_experts=routed_experts)
+        data = self._put(batch, advantages=advantages.float(), rollout_logprobs=batch.rollout_logprobs.float(),
+                         old_logprobs=None if old_logprobs is None else old_logprobs.float(),
+                         loss_mask=loss_mask.bool(), ref_logprobs=ref_logprobs, routed_experts=routed_experts)
         kl_coef = self.plan.loss.kl_coef if kl_coef is None else kl_coef
-        metrics = ray.get([w.train_step.remote(data, num_tokens, kl_coef) for w in self.workers])[0]
+        results = ray.get([w.train_step.remote(data, num_tokens, kl_coef) for w in self.workers])
+        metrics = results[0][2]
         self.step = metrics.pop("optimizer_steps")
-        return metrics | {"tokens": num_tokens, "time/train_s": time.perf_counter() - start}
+        if old_logprobs is None:
+            old_logprobs = gather_rows([(dp_rank, own) for dp_rank, own, _ in results], len(batch))
+        return metrics | {"tokens": num_tokens, "time/train_s": time.perf_counter() - start}, old_logprobs
 
     def _require_trainable(self, action: str) -> None:
         if not self.trainable:
@@ -566,6 +600,13 @@ class Trainer:
         transformers-5 MoE models that is the fused expert layout (mlp.experts.gate_up_proj), not the per-expert
         tensors on disk; transformers.core_model_loading.revert_weight_conversion maps it back."""
         return ray.get([w.state_dict.remote() for w in self.workers])[0]
+
+    def weights(self) -> ray.ObjectRef:
+        """The refit payload (`pack_weights` of `state_dict()`), left in Ray's object store: the engines read
+        it from there, the driver never holds the weights."""
+        packed = [w.packed_state_dict.remote() for w in self.workers]
+        ray.get(packed[1:])  # the other ranks' part of the gather; they return None
+        return packed[0]
 
     def save(self, root: str, extra: dict) -> str:
         """Write a distributed checkpoint of model, optimizer, scheduler and RNG plus the JSON `extra` to
@@ -610,13 +651,13 @@ class Trainer:
         self.workers = []
 
 
-def _gather_rows(results: list[tuple[int, Tensor]], rows: int) -> Tensor:
+def gather_rows(results: list[tuple[int, Tensor]], rows: int) -> Tensor:
     """Concatenate per-rank results in data-parallel order, dropping the padding rows."""
     by_dp_rank = dict(results)  # tensor-parallel ranks of one dp rank return the same rows
     return torch.cat([by_dp_rank[r] for r in sorted(by_dp_rank)])[:rows]
 
 
-def _check_shapes(batch: TrainBatch, **tensors: Optional[Tensor]) -> None:
+def check_shapes(batch: TrainBatch, **tensors: Optional[Tensor]) -> None:
     expected = tuple(batch.token_ids.shape)
     for name, tensor in tensors.items():
         if tensor is not None and tuple(tensor.shape) != expected:
@@ -648,73 +689,3 @@ def latest_checkpoint(root: str) -> Optional[str]:
     """The newest complete checkpoint under root, or None; unfinished writes are ignored."""
     checkpoints = _complete_checkpoints(root)
     return checkpoints[-1] if checkpoints else None
-
-
-# ---- The optional PPO critic (critic.enabled): the policy's backbone class with a scalar value head ----
-
-
-class CriticWorker(PolicyWorker):
-    """One critic rank: the clipped value loss with its own AdamW (critic.lr), schedule and checkpoint."""
-
-    value_head = True
-
-    def _values(self, token_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """V_t [b, T]: the value of the state before token t, read at position t-1 like the logprobs; 0 at t=0."""
-        length = int(attention_mask.sum(1).max())
-        ids = token_ids[:, :length].to(self.device)
-        values = self.model(input_ids=ids, use_cache=False).logits[:, :-1, 0].float()
-        return F.pad(values, (1, token_ids.shape[1] - length))
-
-    @torch.no_grad()
-    def values(self, data: dict) -> tuple[int, Tensor]:
-        self.model.eval()
-        shard = self._shard(data)
-        parts = [self._values(mb["token_ids"], mb["attention_mask"]).cpu() for mb in self._micro_batches(shard)]
-        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
-
-    def train_step(self, data: dict, num_tokens: int) -> dict[str, float]:
-        self.model.train()
-        loss_sum, grad_norms, lrs = 0.0, [], []
-        for _ in range(self.plan.trainer.epochs_per_batch):
-            self.optimizer.zero_grad(set_to_none=True)
-            for mb in self._micro_batches(self._shard(data)):
-                mb = {k: v.to(self.device) for k, v in mb.items()}
-                values = self._values(mb["token_ids"], mb["attention_mask"])
-                per_token = losses.value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"],
-                                              self.plan.loss.value_clip)
-                loss = losses.token_mean(per_token, mb["loss_mask"], num_tokens)
-                (loss * self.dp_size).backward()  # a sum over dp ranks, as in PolicyWorker.train_step
-                loss_sum += loss.item()
-            lrs.append(self.optimizer.param_groups[0]["lr"])
-            grad_norms.append(float(self._clip_and_step()))
-        loss = _all_reduce({"loss": loss_sum}, dist.ReduceOp.SUM, self.dp_group)["loss"]
-        return {
-            "loss": loss / len(grad_norms),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "lr": lrs[-1],
-            "optimizer_steps": self.scheduler.last_epoch,
-        }
-
-
-class Critic(Trainer):
-    """Driver-side handle on the critic ranks, initialised from model.path. `values` and `train_step` are its
-    own; state_dict, save/load (in a directory of its own) and shutdown work as for the policy."""
-
-    worker_class = CriticWorker
-
-    def __init__(self, plan: Plan, placement: Optional[list] = None):
-        super().__init__(plan, trainable=True, placement=placement)
-
-    def values(self, batch: TrainBatch) -> Tensor:
-        """V_t [B, T] for every action position (0 elsewhere): the old values for GAE and value clipping."""
-        data = self._put(batch)
-        return _gather_rows(ray.get([w.values.remote(data) for w in self.workers]), len(batch))
-
-    def train_step(self, batch: TrainBatch, returns: Tensor, old_values: Tensor,
-                   loss_mask: Tensor) -> dict[str, float]:
-        """Clipped value loss (loss.value_clip) toward `returns`, one optimizer step per epoch pass."""
-        _check_shapes(batch, returns=returns, old_values=old_values, loss_mask=loss_mask)
-        data = self._put(batch, returns=returns.float(), old_values=old_values.float(), loss_mask=loss_mask.bool())
-        metrics = ray.get([w.train_step.remote(data, int(loss_mask.sum())) for w in self.workers])[0]
-        self.step = metrics.pop("optimizer_steps")
-        return metrics

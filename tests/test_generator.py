@@ -9,7 +9,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.generator import Generator, Router, prepare_engine, request_seed
+from molt.generator import Generator, Router, pack_weights, prepare_engine, request_seed
 from molt.plan import ModelPlan, Plan, RolloutPlan
 from molt.tiny import build_tiny
 from molt.validate import validate
@@ -66,7 +66,7 @@ class Engine:
         with torch.no_grad():
             for parameter in self.hf.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
-        await self.generator.update_weights(self.hf.state_dict(), self.version)
+        await self.generator.update_weights(pack_weights(self.hf.state_dict()), self.version)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -158,7 +158,7 @@ def test_update_weights_needs_pause(engine):
     if engine.kind != "dense":
         pytest.skip("engine-independent check")
     with pytest.raises(ray.exceptions.RayTaskError, match="call pause\\(\\) first"):
-        engine.run(engine.generator.update_weights(engine.hf.state_dict(), version=9))
+        engine.run(engine.generator.update_weights(pack_weights(engine.hf.state_dict()), version=9))
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from molt.losses import (POLICY_LOSSES, adaptive_kl_coef, entropy, importance_weights, kl_penalty,
-                         mismatch_metrics, policy_loss, token_mean, value_loss)
+                         mismatch_metrics, policy_loss, staleness_mask, token_mean, value_loss)
 from molt.plan import ImportanceSamplingPlan, LossPlan
 
 LEVELS, MODES = ("token", "seq", "geo"), ("mask", "clip", "trunc")
@@ -82,9 +82,8 @@ def test_importance_weights_hand_example(level, mode):
     expected, filtered_tokens, filtered_seqs = IS_EXPECTED[level, mode]
     rollout = torch.full((2, 3), -2.0)
     cfg = ImportanceSamplingPlan(level=level, mode=mode, low=0.5, high=2.0)
-    weights, loss_mask, metrics = importance_weights(rollout + IS_LOG_W, rollout, IS_MASK, cfg)
+    weights, metrics = importance_weights(rollout + IS_LOG_W, rollout, IS_MASK, cfg)
     torch.testing.assert_close(weights[IS_MASK], torch.tensor(expected, dtype=torch.float32))
-    assert torch.equal(loss_mask, IS_MASK)
     assert metrics["is/filtered_token_frac"] == pytest.approx(filtered_tokens / 5)
     assert metrics["is/filtered_seq_frac"] == pytest.approx(filtered_seqs / 2)
 
@@ -93,26 +92,22 @@ def test_importance_weights_are_stop_gradient_and_gate_nan_tokens():
     old = torch.zeros(1, 2, requires_grad=True)
     rollout = torch.tensor([[0.0, float("nan")]])
     mask = torch.ones(1, 2, dtype=torch.bool)
-    weights, _, _ = importance_weights(old, rollout, mask, ImportanceSamplingPlan())
+    weights, _ = importance_weights(old, rollout, mask, ImportanceSamplingPlan())
     assert not weights.requires_grad
     assert weights.tolist() == [[1.0, 0.0]]
 
 
 def test_stale_tokens_leave_the_loss_mask():
     versions = torch.tensor([[3, 2, 1], [3, 3, -1]])
-    cfg = ImportanceSamplingPlan(max_staleness=1)
-    _, loss_mask, metrics = importance_weights(torch.zeros(2, 3), torch.zeros(2, 3), IS_MASK, cfg,
-                                               versions=versions, current_version=3)
+    loss_mask = staleness_mask(IS_MASK, versions, current_version=3, max_staleness=1)
     assert loss_mask.tolist() == [[True, True, False], [True, True, False]]
-    assert metrics["is/stale_token_frac"] == pytest.approx(1 / 5)
-    with pytest.raises(ValueError, match="max_staleness"):
-        importance_weights(torch.zeros(2, 3), torch.zeros(2, 3), IS_MASK, cfg)
+    assert torch.equal(staleness_mask(IS_MASK, versions, current_version=3, max_staleness=None), IS_MASK)
 
 
 def test_disabled_importance_sampling_gives_ones():
     cfg = ImportanceSamplingPlan(enabled=False)
-    weights, loss_mask, _ = importance_weights(IS_LOG_W, torch.zeros(2, 3), IS_MASK, cfg)
-    assert (weights == 1).all() and torch.equal(loss_mask, IS_MASK)
+    weights, metrics = importance_weights(IS_LOG_W, torch.zeros(2, 3), IS_MASK, cfg)
+    assert (weights == 1).all() and metrics == {}
 
 
 def test_unknown_importance_level_names_the_key():
@@ -129,7 +124,7 @@ def test_importance_correction_is_identity_on_policy(batch, length, low, high, d
     for level in LEVELS:
         for mode in MODES:
             cfg = ImportanceSamplingPlan(level=level, mode=mode, low=low, high=high)
-            weights, _, metrics = importance_weights(logprobs, logprobs.clone(), mask, cfg)
+            weights, metrics = importance_weights(logprobs, logprobs.clone(), mask, cfg)
             assert (weights[mask] == 1).all(), (level, mode)
             assert metrics["is/filtered_token_frac"] == 0 and metrics["is/filtered_seq_frac"] == 0
 
@@ -276,11 +271,11 @@ def step_loss(weight, features, tokens, old, ref, advantages, rollout, mask, num
     """The trainer's per-micro-batch objective: policy + KL + entropy terms over one shared token count."""
     logits = features @ weight
     logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
-    is_weights, loss_mask, _ = importance_weights(old, rollout, mask, cfg.importance_sampling)
-    per_token, _ = policy_loss(logprobs, old, advantages, loss_mask, cfg, is_weights=is_weights)
+    is_weights, _ = importance_weights(old, rollout, mask, cfg.importance_sampling)
+    per_token, _ = policy_loss(logprobs, old, advantages, mask, cfg, is_weights=is_weights)
     kl = kl_penalty(logprobs, ref, cfg.kl_estimator)
-    return (token_mean(per_token, loss_mask, num_tokens) + cfg.kl_coef * token_mean(kl, loss_mask, num_tokens)
-            - cfg.entropy_coef * token_mean(entropy(logits), loss_mask, num_tokens))
+    return (token_mean(per_token, mask, num_tokens) + cfg.kl_coef * token_mean(kl, mask, num_tokens)
+            - cfg.entropy_coef * token_mean(entropy(logits), mask, num_tokens))
 
 
 @settings(max_examples=30, deadline=None)

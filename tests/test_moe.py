@@ -140,6 +140,7 @@ def make_plan(path, **model):
     plan.parallel.actor_ranks = 1
     plan.trainer.micro_batch_size = 2
     plan.trainer.lr = 1e-3
+    plan.loss.importance_sampling.enabled = False  # the test batches carry no engine log-probs
     for key, value in model.items():
         setattr(plan.model, key, value)
     return plan
@@ -198,13 +199,13 @@ def test_trainer_replays_routes_and_logs_moe_metrics(moe_path, model):
 
         initial = trainer.state_dict()
         advantages = torch.where(batch.action_mask, 1.0, 0.0)
-        metrics = trainer.train_step(batch, advantages, own, batch.action_mask, routed_experts=routes)
+        metrics, _ = trainer.train_step(batch, advantages, own, batch.action_mask, routed_experts=routes)
         assert metrics["moe/routing_agreement"] == 1.0  # the routes are the actor's own
         assert 0.5 < metrics["loss/moe_aux"] < 2.0  # about balanced (1): the tiny model is untrained
         assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"], abs=1e-6)  # moe_aux_coef=0
 
-        metrics = trainer.train_step(batch, advantages, own, batch.action_mask,
-                                     routed_experts=other_experts(routes))
+        metrics, _ = trainer.train_step(batch, advantages, own, batch.action_mask,
+                                        routed_experts=other_experts(routes))
         # The first layer's router sees the same input, so its live choice still differs from every route.
         assert metrics["moe/routing_agreement"] <= 0.5
         state = trainer.state_dict()
@@ -223,7 +224,7 @@ def test_frozen_router_stays_bit_identical_and_aux_loss_enters_the_loss(moe_path
     try:
         initial = trainer.state_dict()
         old = trainer.logprobs(batch, 1.0)
-        metrics = trainer.train_step(batch, torch.where(batch.action_mask, 1.0, 0.0), old, batch.action_mask)
+        metrics, _ = trainer.train_step(batch, torch.where(batch.action_mask, 1.0, 0.0), old, batch.action_mask)
         assert "moe/routing_agreement" not in metrics  # no engine routes given
         assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.1 * metrics["loss/moe_aux"],
                                                       abs=1e-6)
@@ -318,14 +319,14 @@ def test_expert_parallel_two_equals_one(moe_path, tmp_path):
                     saved_state = trainer.state_dict()
                 old = trainer.logprobs(batch, 1.0)
                 run["logprobs"].append(old)
-                run["metrics"].append(trainer.train_step(batch, advantages, old, batch.action_mask))
+                run["metrics"].append(trainer.train_step(batch, advantages, old, batch.action_mask)[0])
             run["state"] = trainer.state_dict()
             if ep == 2:
                 trainer.export_hf(str(tmp_path / "export"))
                 assert trainer.load(saved) == {"step": 2}
                 state = trainer.state_dict()
                 assert all(torch.equal(state[k], saved_state[k]) for k in saved_state)
-                again = trainer.train_step(batch, advantages, run["logprobs"][2], batch.action_mask)
+                again, _ = trainer.train_step(batch, advantages, run["logprobs"][2], batch.action_mask)
                 assert all(again[k] == run["metrics"][2][k] for k in LOSS_METRICS)
                 assert all(torch.equal(v, run["state"][k]) for k, v in trainer.state_dict().items())
         finally:

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from molt.critic import Critic
 from molt.plan import Plan
 from molt.tiny import build_tiny
 from molt.trace import TrainBatch
-from molt.trainer import Critic, Trainer, latest_checkpoint, lr_factor
+from molt.trainer import Trainer, latest_checkpoint, lr_factor
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
@@ -27,6 +28,7 @@ def make_plan(path, ranks=1, micro_batch_size=2, **trainer):
     plan.model.path = path
     plan.parallel.actor_ranks = ranks
     plan.trainer.micro_batch_size = micro_batch_size
+    plan.loss.importance_sampling.enabled = False  # the test batches carry no engine log-probs
     for key, value in trainer.items():
         assert hasattr(plan.trainer, key), f"trainer.{key} is not a TrainerPlan field"
         setattr(plan.trainer, key, value)
@@ -101,20 +103,60 @@ def test_logprobs_and_update_direction(tiny):
 
         old = trainer.logprobs(batch, 1.0)
         advantages = row_advantages(batch, [1, -1, 1, -1, 1])
-        first = trainer.train_step(batch, advantages, old, batch.action_mask)
+        first, _ = trainer.train_step(batch, advantages, old, batch.action_mask)
         assert trainer.step == 1 and first["lr"] == pytest.approx(1e-4)
         assert first["tokens"] == int(batch.action_mask.sum())
         assert first["loss/policy"] == pytest.approx(-advantages.sum().item() / first["tokens"], abs=1e-6)
 
         change = trainer.logprobs(batch, 1.0) - old
         assert change[advantages > 0].mean() > 0 > change[advantages < 0].mean()
-        second = trainer.train_step(batch, advantages, old, batch.action_mask)
+        second, _ = trainer.train_step(batch, advantages, old, batch.action_mask)
         assert trainer.step == 2 and second["loss/policy"] < first["loss/policy"]
         assert 0 < second["loss/clip_frac"] < 1 and second["grad_norm"] > 0
         assert second["time/forward_s"] > 0 and second["time/backward_s"] > 0
 
         with pytest.raises(ValueError, match="advantages"):
             trainer.train_step(batch, advantages[:, :-1], old, batch.action_mask)
+    finally:
+        trainer.shutdown()
+
+
+def test_old_logprobs_from_the_training_forward(tiny, tmp_path):
+    """Without old_logprobs one epoch takes them from its own forward: they equal a separate `logprobs`
+    pass and the step is the same as with them given. The importance weights are applied in the ranks:
+    tokens whose engine log-probs are far off (weights outside [low, high], mode mask) give no gradient."""
+    plan = make_plan(tiny["dense"], ranks=2, micro_batch_size=2)
+    plan.loss.importance_sampling.enabled = True
+    batch = make_batch(rows=5, seed=4)
+    advantages = row_advantages(batch, [1, -1, 1, -1, 1])
+    trainer = Trainer(plan)
+    try:
+        start, initial = trainer.save(str(tmp_path), {}), trainer.state_dict()
+        old = trainer.logprobs(batch, 1.0)
+        batch.rollout_logprobs = old.clone()  # the engine agreed with the actor: all weights 1
+        given_metrics, returned = trainer.train_step(batch, advantages, old, batch.action_mask)
+        assert returned is old
+        given_state = trainer.state_dict()
+
+        trainer.load(start)
+        own_metrics, own_old = trainer.train_step(batch, advantages, None, batch.action_mask)
+        torch.testing.assert_close(own_old, old, rtol=0, atol=1e-6)
+        assert own_metrics["loss/ratio_mean"] == 1.0
+        for key in ("grad_norm", "loss/policy", "entropy"):
+            assert own_metrics[key] == pytest.approx(given_metrics[key], rel=1e-5), key
+        own_state = trainer.state_dict()
+        for name in given_state:
+            torch.testing.assert_close(own_state[name], given_state[name], rtol=0, atol=1e-6, msg=name)
+
+        trainer.load(start)
+        batch.rollout_logprobs = old - 5.0  # every weight e^5, above high=2: all masked
+        metrics, _ = trainer.train_step(batch, advantages, None, batch.action_mask)
+        assert metrics["grad_norm"] == 0.0 and metrics["loss/policy"] == 0.0
+        assert all(torch.equal(v, initial[k]) for k, v in trainer.state_dict().items())
+
+        trainer.plan.trainer.epochs_per_batch = 2  # the driver refuses before it calls the ranks
+        with pytest.raises(ValueError, match="epochs_per_batch=2"):
+            trainer.train_step(batch, advantages, None, batch.action_mask)
     finally:
         trainer.shutdown()
 
@@ -129,7 +171,7 @@ def test_two_ranks_equal_one_rank(tiny):
     old = hf_logprobs(reference, batch, 1.0)
     one = Trainer(make_plan(tiny["dense"], ranks=1, micro_batch_size=5))
     try:
-        one_metrics = one.train_step(batch, advantages, old, batch.action_mask)
+        one_metrics, _ = one.train_step(batch, advantages, old, batch.action_mask)
         one_state = one.state_dict()
     finally:
         one.shutdown()
@@ -141,7 +183,7 @@ def test_two_ranks_equal_one_rank(tiny):
         assert {k: v.shape for k, v in initial.items()} == {k: v.shape for k, v in hf_state.items()}
         assert all(torch.equal(initial[k], hf_state[k]) for k in hf_state)
 
-        two_metrics = two.train_step(batch, advantages, old, batch.action_mask)
+        two_metrics, _ = two.train_step(batch, advantages, old, batch.action_mask)
         for key in ("grad_norm", "loss/policy", "loss/total", "entropy", "loss/ratio_mean"):
             assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5), key
         two_state = two.state_dict()
@@ -173,7 +215,7 @@ def test_checkpoint_resume_and_export(tiny, tmp_path):
             saved = first.save(root, {"step": step + 1, "pool": {"next_prompt": 7 * (step + 1)}})
         assert sorted(os.listdir(root)) == ["step_00000002", "step_00000003"]  # keep = 2
         saved_state = first.state_dict()
-        expected_metrics = first.train_step(batch, advantages, old, batch.action_mask)
+        expected_metrics, _ = first.train_step(batch, advantages, old, batch.action_mask)
         expected_state = first.state_dict()
 
         export = str(tmp_path / "export")
@@ -197,7 +239,7 @@ def test_checkpoint_resume_and_export(tiny, tmp_path):
         assert resumed.step == 3
         state = resumed.state_dict()
         assert all(torch.equal(state[k], saved_state[k]) for k in saved_state)
-        metrics = resumed.train_step(batch, advantages, old, batch.action_mask)
+        metrics, _ = resumed.train_step(batch, advantages, old, batch.action_mask)
         for key in ("grad_norm", "lr", "loss/policy", "loss/total"):
             assert metrics[key] == expected_metrics[key], key
         state = resumed.state_dict()
@@ -221,9 +263,9 @@ def test_reference_model_and_kl_term(tiny):
         old = policy.logprobs(batch, 1.0)
         assert torch.equal(ref_logprobs, old)
         advantages = row_advantages(batch, [1, -1, 1])
-        metrics = policy.train_step(batch, advantages, old, batch.action_mask, ref_logprobs=ref_logprobs)
+        metrics, _ = policy.train_step(batch, advantages, old, batch.action_mask, ref_logprobs=ref_logprobs)
         assert metrics["loss/kl"] == 0.0
-        metrics = policy.train_step(batch, advantages, old, batch.action_mask, ref_logprobs=ref_logprobs)
+        metrics, _ = policy.train_step(batch, advantages, old, batch.action_mask, ref_logprobs=ref_logprobs)
         assert metrics["loss/kl"] > 0
         assert metrics["loss/total"] == pytest.approx(metrics["loss/policy"] + 0.5 * metrics["loss/kl"], rel=1e-5)
         with pytest.raises(RuntimeError, match="reference"):
@@ -243,7 +285,7 @@ def test_moe_logprobs_and_step(tiny):
 
         old = trainer.logprobs(batch, 1.0)
         advantages = row_advantages(batch, [1, -1, 1])
-        metrics = trainer.train_step(batch, advantages, old, batch.action_mask)
+        metrics, _ = trainer.train_step(batch, advantages, old, batch.action_mask)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
         change = trainer.logprobs(batch, 1.0) - old
         assert change[advantages > 0].mean() > 0 > change[advantages < 0].mean()
