@@ -1,0 +1,89 @@
+"""The actor's part of a step, measured side by side on one Trainer in one invocation (issue 8).
+
+    .venv/bin/python benchmarks/trainer.py [--model tiny|20m] [--repeats 6]
+
+train: a separate old-log-prob pass and then `train_step` with those log-probs, against `train_step` taking
+them from its own forward (what the loop does with one epoch and no reference model), alternating on the
+same batch of random tokens shaped like the loop's (tiny: 128 rows of 40 tokens, 8 of them answer; 20m: 32
+rows of 64 + 128).
+refit payload: `Trainer.weights()` (gathered and packed in rank 0, left in Ray's object store) against the
+driver fetching `state_dict()`, packing it and putting it in the object store itself (the loop before).
+One actor rank, nothing else running: the loop's numbers also carry the engine sharing the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import ray
+import torch
+
+from molt.generator import pack_weights
+from molt.plan import Plan
+from molt.tiny import build_tiny
+from molt.trace import TrainBatch
+from molt.trainer import Trainer
+from trl_peer import CACHE, model_path
+
+SHAPES = {"tiny": (128, 32, 8), "20m": (32, 64, 128)}  # rows, prompt tokens, answer tokens
+
+
+def random_batch(rows: int, prompt: int, answer: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    length = prompt + answer
+    action = (torch.arange(length) >= prompt).expand(rows, length).clone()
+    return TrainBatch(token_ids=torch.randint(0, 500, (rows, length), generator=g),
+                      attention_mask=torch.ones(rows, length, dtype=torch.bool), action_mask=action,
+                      rollout_logprobs=torch.zeros(rows, length), versions=torch.where(action, 0, -1),
+                      rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args()
+
+    path = (build_tiny("dense", os.path.join(CACHE, "tiny-dense-warm300"), 300) if args.model == "tiny"
+            else model_path("20m"))
+    plan = Plan()
+    plan.model.path, plan.trainer.micro_batch_size, plan.trainer.lr = path, 32, 1e-6
+    batch = random_batch(*SHAPES[args.model])
+    scores = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(1))
+    advantages = torch.where(batch.action_mask, scores, 0.0)
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    trainer = Trainer(plan)
+    try:
+        batch.rollout_logprobs = trainer.logprobs(batch, 1.0)  # an engine that agrees: no token masked
+        train = {"separate pass + train_step": [], "train_step alone": []}
+        for _ in range(args.repeats + 1):  # the first round warms up and is left out
+            for mode, seconds in train.items():
+                start = time.perf_counter()
+                old = trainer.logprobs(batch, 1.0) if mode.startswith("separate") else None
+                trainer.train_step(batch, advantages, old, batch.action_mask)
+                seconds.append(time.perf_counter() - start)
+        refit = {"driver: state_dict + pack + put": [], "Trainer.weights()": []}
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            ray.wait([trainer.weights()])
+            refit["Trainer.weights()"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            ray.put(pack_weights(trainer.state_dict()))
+            refit["driver: state_dict + pack + put"].append(time.perf_counter() - start)
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+
+    print(f"model={args.model} ({path}), batch {tuple(batch.token_ids.shape)}, medians of {args.repeats}:")
+    for results in (train, refit):
+        medians = {name: statistics.median(seconds[-args.repeats:]) for name, seconds in results.items()}
+        (before_name, before), (now_name, now) = medians.items()
+        print(f"  {before_name} {before:.3f} s, {now_name} {now:.3f} s: x{before / now:.2f}")
+
+
+if __name__ == "__main__":
+    main()
