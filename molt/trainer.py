@@ -576,7 +576,7 @@ class Trainer:
                 f"updated weights"
             )
         check_shapes(batch, advantages=advantages, old_logprobs=old_logprobs, loss_mask=loss_mask,
-                      ref_logprobs=ref_logprobs)
+                     ref_logprobs=ref_logprobs)
         _check_routes(batch, routed_experts)
         start = time.perf_counter()
         num_tokens = int(loss_mask.sum())
