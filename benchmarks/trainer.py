@@ -38,7 +38,8 @@ def random_batch(rows: int, prompt: int, answer: int) -> TrainBatch:
     return TrainBatch(token_ids=torch.randint(0, 500, (rows, length), generator=g),
                       attention_mask=torch.ones(rows, length, dtype=torch.bool), action_mask=action,
                       rollout_logprobs=torch.zeros(rows, length), versions=torch.where(action, 0, -1),
-                      rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long))
+                      rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long),
+                      rollout_ids=torch.arange(rows))
 
 
 def main() -> None:

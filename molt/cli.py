@@ -1,7 +1,8 @@
 """Command-line entry points: `molt-run` (Hydra), `molt-reproduce`, `molt-compare`.
 
 `molt-run` composes conf/ (plus experiments/ as the `experiment` group), converts the result into the
-typed plan, validates it, and only then imports the heavy stack and launches the loop.
+typed plan, validates it and checks its inputs (agent module, data files, checkpoints), and only then
+imports the heavy stack and launches the loop.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from molt.plan import PlanError, plan_to_yaml, to_plan
-from molt.validate import validate
+from molt.validate import check_inputs, validate
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def _reject(message: str) -> None:
-    """Stop this job. In a sweep (-m) raise instead, so Hydra records the job as failed and runs the rest."""
+    """Stop this job with exit status 2 (a usage error, as argparse has it). In a sweep (-m) raise instead, so
+    Hydra records the job as failed and runs the rest."""
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         raise ValueError(message)
-    sys.exit(message)
+    print(message, file=sys.stderr)
+    sys.exit(2)
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -33,7 +36,7 @@ def _run(cfg: DictConfig) -> None:
         plan = to_plan(cfg)
     except PlanError as e:
         _reject(f"molt: {e}")
-    problems = validate(plan)
+    problems = validate(plan) + check_inputs(plan)  # check_inputs imports the agent and reads the data files
     if plan.dry_run:
         print(plan_to_yaml(plan))
     if problems:

@@ -2,104 +2,119 @@
 
 Every estimator has the same signature, so `ESTIMATORS[plan.estimator.name]` selects one:
 
-    advantages, returns = estimator(rewards, group_ids, action_mask, cfg, kl_penalty=..., values=..., ...)
+    advantages, returns = estimator(rewards, group_ids, rollout_ids, action_mask, cfg, kl_penalty=..., ...)
 
-rewards [B] holds one outcome reward per rollout, group_ids [B] the prompt group of each rollout and
-action_mask [B, T] the trained tokens. `advantages` is [B, T] and zero off the action mask; `returns` is the
-critic's regression target (gae only, else None). Estimators read their inputs as constants (detached).
+A row of the batch is one segment of a rollout (an agent that compacts its context has several). rewards
+[B] holds each row's rollout reward (equal on all segments of a rollout), group_ids [B] the prompt group,
+rollout_ids [B] the rollout (a rollout's rows follow each other in segment order) and action_mask [B, T] the
+trained tokens. Every statistic counts rollouts, not rows: a group's size, mean, std and leave-one-out
+baseline are over its rollouts, and a discounted return runs across a rollout's segments as if they were
+one sequence; splitting a rollout into segments never changes any token's advantage (tests/test_estimators.py).
+`advantages` is [B, T] and zero off the action mask; `returns` is the critic's regression target (gae
+only, else None). Estimators read their inputs as constants (detached).
 
 KL as a per-token reward (`kl_penalty`, β·KL_t computed by the caller) is subtracted from the token rewards
 by reinforce_pp and gae and from the distillation advantage; the group estimators score whole rollouts, so
 they reject it: use KL as a loss term with them (loss.kl_in_reward=false).
 
-Whitening uses the action-masked mean and population std of the whole batch (cfg.whiten); reinforce_pp,
-reinforce_baseline and gae whiten, the others are already normalized by their definition.
+Whitening uses the mean and population std over the action tokens of the whole batch, (A − mean) / (std +
+eps), eps added to the std (cfg.whiten); reinforce_pp, reinforce_baseline and gae whiten, the others are
+already normalized by their definition.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from molt.plan import EstimatorPlan
+from molt.plan import DynamicFilterPlan, EstimatorPlan
+
+# What each estimator needs, declared here and read by the validator (molt/validate.py).
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "reinforce_baseline"}  # baseline from the prompt's group
+CRITIC_ESTIMATORS = {"gae"}  # read the critic's values
+TEACHER_ESTIMATORS = {"on_policy_distill"}  # read the reference model's log-probs as a teacher
+KL_REWARD_ESTIMATORS = {"reinforce_pp", "gae", "on_policy_distill"}  # take KL as a per-token reward
+FILTER_CRITERIA = ("zero_spread", "mean_bounds")  # dynamic_filter.criterion
 
 
-def reinforce_pp(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
-                 old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
-    """REINFORCE++: token rewards −β·KL_t, plus r on the last action token; discounted return, whitened."""
-    rewards = _clipped_rewards(rewards, group_ids, action_mask, cfg)
-    token_rewards = _token_rewards(rewards, action_mask, kl_penalty)
-    no_values = torch.zeros_like(token_rewards)
-    returns = _discounted_advantages(token_rewards, no_values, action_mask, cfg.gamma, lam=1.0)
+def reinforce_pp(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None,
+                 values=None, old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
+    """REINFORCE++: token rewards −β·KL_t, plus r on the rollout's last action token; discounted return
+    across its segments, whitened."""
+    rollout_rewards, _, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
+    no_values = torch.zeros(action_mask.shape)
+    returns = _discounted_advantages(rollout_rewards, row_rollout, action_mask, kl_penalty, no_values, cfg.gamma,
+                                     lam=1.0)
     return _whiten(returns, action_mask, cfg), None
 
 
-def reinforce_baseline(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
-                       old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
-    """r − mean(group), whitened."""
-    rewards = _clipped_rewards(rewards, group_ids, action_mask, cfg)
+def reinforce_baseline(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None,
+                       values=None, old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
+    """r − mean(group), whitened; a single-rollout group gets 0 before whitening."""
     _reject_kl_reward("reinforce_baseline", kl_penalty)
-    group_mean, _ = _group_mean(rewards, group_ids)
-    advantages = (rewards - group_mean)[:, None] * action_mask
+    rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
+    group_mean, _ = _group_mean(rollout_rewards, groups)
+    advantages = (rollout_rewards - group_mean)[row_rollout, None] * action_mask
     return _whiten(advantages, action_mask, cfg), None
 
 
-def rloo(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
+def rloo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
          old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
-    """Leave-one-out: r − mean of the other members' rewards; a single-member group keeps r."""
-    rewards = _clipped_rewards(rewards, group_ids, action_mask, cfg)
+    """Leave-one-out: r − mean of the other rollouts' rewards; a single-rollout group keeps r."""
     _reject_kl_reward("rloo", kl_penalty)
-    group_mean, group_size = _group_mean(rewards, group_ids)
+    rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
+    group_mean, group_size = _group_mean(rollout_rewards, groups)
     # r − (sum − r)/(n − 1) = n/(n − 1)·(r − mean), which is exactly 0 when the group agrees.
-    advantages = torch.where(group_size > 1, group_size / (group_size - 1) * (rewards - group_mean), rewards)
-    return advantages[:, None] * action_mask, None
+    advantages = torch.where(group_size > 1, group_size / (group_size - 1) * (rollout_rewards - group_mean),
+                             rollout_rewards)
+    return advantages[row_rollout, None] * action_mask, None
 
 
-def grpo(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
+def grpo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
          old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
-    """(r − mean(group)) / (sample std(group) + eps); a single-member group gets 0."""
-    rewards = _clipped_rewards(rewards, group_ids, action_mask, cfg)
+    """(r − mean(group)) / (sample std(group) + eps); a single-rollout group gets 0."""
     _reject_kl_reward("grpo", kl_penalty)
-    group_mean, group_size = _group_mean(rewards, group_ids)
-    deviation = rewards - group_mean
-    mean_square, _ = _group_mean(deviation**2, group_ids)
+    rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
+    group_mean, group_size = _group_mean(rollout_rewards, groups)
+    deviation = rollout_rewards - group_mean
+    mean_square, _ = _group_mean(deviation**2, groups)
     std = (mean_square * group_size / (group_size - 1).clamp(min=1)).sqrt()
     advantages = torch.where(group_size > 1, deviation / (std + cfg.eps), 0.0)
-    return advantages[:, None] * action_mask, None
+    return advantages[row_rollout, None] * action_mask, None
 
 
-def dr_grpo(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
+def dr_grpo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
             old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
-    """Dr. GRPO: r − mean(group), not divided by the std."""
-    rewards = _clipped_rewards(rewards, group_ids, action_mask, cfg)
+    """Dr. GRPO: r − mean(group), not divided by the std; a single-rollout group gets 0."""
     _reject_kl_reward("dr_grpo", kl_penalty)
-    group_mean, _ = _group_mean(rewards, group_ids)
-    return (rewards - group_mean)[:, None] * action_mask, None
+    rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
+    group_mean, _ = _group_mean(rollout_rewards, groups)
+    return (rollout_rewards - group_mean)[row_rollout, None] * action_mask, None
 
 
-def gae(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
+def gae(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
         old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, Tensor]:
-    """GAE(γ, λ) with a PPO critic over the action tokens; returns = A + V before whitening."""
-    rewards = _clipped_rewards(rewards, group_ids, action_mask, cfg)
+    """GAE(γ, λ) with a PPO critic over the action tokens of each rollout (across its segments);
+    returns = A + V before whitening."""
+    rollout_rewards, _, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
     if values is None or values.shape != action_mask.shape:
         raise ValueError(
             f"gae needs critic values of shape {tuple(action_mask.shape)}, got "
             f"{None if values is None else tuple(values.shape)}: enable the critic (critic.enabled=true)"
         )
     values = values.detach().float() * action_mask
-    token_rewards = _token_rewards(rewards, action_mask, kl_penalty)
-    advantages = _discounted_advantages(token_rewards, values, action_mask, cfg.gamma, cfg.lam)
+    advantages = _discounted_advantages(rollout_rewards, row_rollout, action_mask, kl_penalty, values, cfg.gamma,
+                                        cfg.lam)
     returns = (advantages + values) * action_mask
     return _whiten(advantages, action_mask, cfg), returns
 
 
-def on_policy_distill(rewards, group_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
-                      old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
+def on_policy_distill(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None,
+                      values=None, old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
     """Per-token advantage −β·(log π_old − log π_teacher), not whitened; outcome rewards are unused."""
-    _clipped_rewards(rewards, group_ids, action_mask, cfg)  # validates the shapes
+    _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)  # validates the shapes
     for name, logprobs in (("old_logprobs", old_logprobs), ("teacher_logprobs", teacher_logprobs)):
         if logprobs is None or logprobs.shape != action_mask.shape:
             raise ValueError(
@@ -124,25 +139,35 @@ ESTIMATORS = {
 }
 
 
-def _clipped_rewards(rewards: Tensor, group_ids: Tensor, action_mask: Tensor, cfg: EstimatorPlan) -> Tensor:
-    """Check the shared inputs and return the rewards clipped to cfg.reward_clip."""
+def _rollout_rewards(rewards: Tensor, group_ids: Tensor, rollout_ids: Tensor, action_mask: Tensor,
+                     cfg: EstimatorPlan) -> tuple[Tensor, Tensor, Tensor]:
+    """Check the shared inputs. Returns, per rollout, its reward clipped to cfg.reward_clip and its group id,
+    and per row the index of its rollout in those."""
     if action_mask.dtype != torch.bool or action_mask.dim() != 2:
         raise ValueError(
             f"action_mask must be a bool [B, T] tensor, got {action_mask.dtype} {tuple(action_mask.shape)}"
         )
     batch = action_mask.shape[0]
-    if rewards.shape != (batch,) or group_ids.shape != (batch,):
+    if rewards.shape != (batch,) or group_ids.shape != (batch,) or rollout_ids.shape != (batch,):
         raise ValueError(
-            f"rewards and group_ids must be [B]=[{batch}] (one per rollout), got {tuple(rewards.shape)} "
-            f"and {tuple(group_ids.shape)}"
+            f"rewards, group_ids and rollout_ids must be [B]=[{batch}] (one per row), got {tuple(rewards.shape)}, "
+            f"{tuple(group_ids.shape)} and {tuple(rollout_ids.shape)}"
         )
     if not torch.isfinite(rewards).all():
         bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
-        raise ValueError(f"rewards of rollouts {bad} are not finite: the reward function must return numbers")
+        raise ValueError(f"rewards of rows {bad} are not finite: the reward function must return numbers")
     if len(cfg.reward_clip) != 2 or cfg.reward_clip[0] > cfg.reward_clip[1]:
         raise ValueError(f"estimator.reward_clip must be [low, high] with low <= high, got {cfg.reward_clip}")
+    _, row_rollout = torch.unique(rollout_ids, return_inverse=True)
+    num_rollouts = int(row_rollout.max()) + 1 if batch else 0
+    first_row = torch.full((num_rollouts,), batch).scatter_reduce(0, row_rollout, torch.arange(batch), "amin")
+    rollout_rewards, rollout_groups = rewards[first_row], group_ids[first_row]
+    disagree = (rewards != rollout_rewards[row_rollout]) | (group_ids != rollout_groups[row_rollout])
+    if disagree.any():
+        raise ValueError(f"rows {torch.nonzero(disagree).flatten().tolist()} are segments of a rollout whose "
+                         f"other segments have another reward or group: one rollout has one reward and one group")
     low, high = cfg.reward_clip
-    return rewards.detach().float().clamp(low, high)
+    return rollout_rewards.detach().float().clamp(low, high), rollout_groups, row_rollout
 
 
 def _reject_kl_reward(name: str, kl_penalty: Tensor | None) -> None:
@@ -154,7 +179,7 @@ def _reject_kl_reward(name: str, kl_penalty: Tensor | None) -> None:
 
 
 def _group_mean(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Per rollout, the mean of `values` over its group and the group's size.
+    """Per rollout, the mean of `values` over its group's rollouts and the group's size.
 
     Summed in float64 so that the mean of equal values is exactly that value: a rounding error would
     survive GRPO's division by a near-zero std as a sizeable advantage.
@@ -165,30 +190,43 @@ def _group_mean(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
     return (sums / counts)[index].to(values.dtype), counts[index].to(values.dtype)
 
 
-def _token_rewards(rewards: Tensor, action_mask: Tensor, kl_penalty: Tensor | None) -> Tensor:
-    """−β·KL_t on every action token, plus the outcome reward on the last one."""
-    is_last = action_mask & (action_mask.cumsum(1) == action_mask.sum(1, keepdim=True))
-    token_rewards = rewards[:, None] * is_last
+def _discounted_advantages(rollout_rewards: Tensor, row_rollout: Tensor, action_mask: Tensor,
+                           kl_penalty: Tensor | None, values: Tensor, gamma: float, lam: float) -> Tensor:
+    """GAE(γ, λ) over each rollout's action tokens, its segments' rows joined in order: context tokens are
+    skipped, not steps. Token rewards are −KL_t on every action token plus the outcome reward on the
+    rollout's last one. With zero values and lam=1 it is the discounted return G_t = reward_t + γ·G_{t+1}."""
+    # Each rollout's action tokens as one row of a [rollouts, L] table: `index` points into the flat batch.
+    rows, columns = action_mask.nonzero(as_tuple=True)  # row-major: a row's tokens in order, rows in order
+    token_rollout = row_rollout[rows]
+    order = torch.sort(token_rollout, stable=True).indices  # stable: keeps the segments' order
+    token_rollout, flat_index = token_rollout[order], (rows * action_mask.shape[1] + columns)[order]
+    counts = torch.bincount(token_rollout, minlength=len(rollout_rewards))
+    position = torch.arange(len(flat_index)) - (counts.cumsum(0) - counts)[token_rollout]
+    length = int(counts.max()) if len(counts) else 0
+    index = torch.zeros(len(counts), length, dtype=torch.long)
+    valid = torch.zeros(len(counts), length, dtype=torch.bool)
+    index[token_rollout, position], valid[token_rollout, position] = flat_index, True
+
+    def per_rollout(per_row: Tensor) -> Tensor:
+        return torch.where(valid, per_row.detach().float().flatten()[index], 0.0)
+
+    token_rewards = torch.zeros(valid.shape)
+    has_actions = counts > 0
+    token_rewards[has_actions, counts[has_actions] - 1] = rollout_rewards[has_actions]
     if kl_penalty is not None:
-        token_rewards = token_rewards - torch.where(action_mask, kl_penalty.detach(), 0.0)
-    return token_rewards
+        token_rewards = token_rewards - per_rollout(kl_penalty)
+    values = per_rollout(values)
 
-
-def _discounted_advantages(token_rewards: Tensor, values: Tensor, action_mask: Tensor, gamma: float,
-                           lam: float) -> Tensor:
-    """GAE over the action tokens only (context tokens are skipped, not steps). With zero values and
-    lam=1 it is the discounted return G_t = reward_t + γ·G_{t+1}."""
-    advantages = torch.zeros_like(token_rewards)
-    next_value = token_rewards.new_zeros(token_rewards.shape[0])
-    next_advantage = token_rewards.new_zeros(token_rewards.shape[0])
-    for t in reversed(range(token_rewards.shape[1])):
-        is_action = action_mask[:, t]
+    advantages = torch.zeros(valid.shape)
+    next_value, next_advantage = torch.zeros(len(counts)), torch.zeros(len(counts))
+    for t in reversed(range(length)):  # positions past a rollout's end are zero and stay zero
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        advantages[:, t] = torch.where(is_action, advantage, 0.0)
-        next_value = torch.where(is_action, values[:, t], next_value)
-        next_advantage = torch.where(is_action, advantage, next_advantage)
-    return advantages
+        next_advantage = torch.where(valid[:, t], delta + gamma * lam * next_advantage, 0.0)
+        next_value = values[:, t]
+        advantages[:, t] = next_advantage
+    result = torch.zeros(action_mask.numel())
+    result[index[valid]] = advantages[valid]
+    return result.view(action_mask.shape)
 
 
 def _whiten(advantages: Tensor, action_mask: Tensor, cfg: EstimatorPlan) -> Tensor:
@@ -202,38 +240,27 @@ def _whiten(advantages: Tensor, action_mask: Tensor, cfg: EstimatorPlan) -> Tens
     return torch.where(action_mask, (values - mean) / (std + cfg.eps), 0.0).to(advantages.dtype)
 
 
-@dataclass
-class FilterResult:
-    kept: list[str]  # group ids that carry a learning signal, in input order
-    dropped: dict[str, int]  # reason -> number of groups: incomplete, mean_too_low, mean_too_high
-    backfill: int  # replacement groups the caller must draw to keep the batch full
+def filter_group(scores: list[float], group_size: int, cfg: DynamicFilterPlan) -> str | None:
+    """Why a finished group is dropped (the pool then draws a fresh prompt in its place), or None to train on it.
 
-
-def dynamic_filter(group_scores: dict[str, list[float]], group_size: int, low: float,
-                   high: float) -> FilterResult:
-    """DAPO-style filter: keep complete groups whose mean score lies strictly inside (low, high).
-
-    A group where every rollout scored the same extreme (all wrong, all right) has zero group-relative
-    advantage and only dilutes the token mean, so it is dropped and replaced.
+    A group that lost a rollout (a failure) is always dropped: "incomplete". With cfg.enabled, DAPO's dynamic
+    sampling drops a group whose rewards are all equal ("zero_spread"): every group baseline gives it zero
+    advantage, so it only dilutes the token mean. criterion=mean_bounds instead keeps a group only when its
+    mean reward lies strictly inside (cfg.low, cfg.high).
     """
-    if not low < high:
-        raise ValueError(f"dynamic_filter.low ({low}) must be below dynamic_filter.high ({high})")
-    if group_size < 1:
-        raise ValueError(f"group_size must be at least 1 (rollout.samples_per_prompt), got {group_size}")
-    kept: list[str] = []
-    dropped = {"incomplete": 0, "mean_too_low": 0, "mean_too_high": 0}
-    for group_id, scores in group_scores.items():
-        if len(scores) > group_size:
-            raise ValueError(f"group {group_id} has {len(scores)} scores, more than group_size={group_size}")
-        if not all(math.isfinite(score) for score in scores):
-            raise ValueError(f"group {group_id} has a non-finite score in {scores}: rewards must be numbers")
-        mean = sum(scores) / group_size
-        if len(scores) < group_size:
-            dropped["incomplete"] += 1
-        elif mean <= low:
-            dropped["mean_too_low"] += 1
-        elif mean >= high:
-            dropped["mean_too_high"] += 1
-        else:
-            kept.append(group_id)
-    return FilterResult(kept=kept, dropped=dropped, backfill=len(group_scores) - len(kept))
+    if len(scores) > group_size:
+        raise ValueError(f"a group has {len(scores)} rewards, more than rollout.samples_per_prompt={group_size}")
+    if not all(math.isfinite(score) for score in scores):
+        raise ValueError(f"a group has a non-finite reward in {scores}: rewards must be numbers")
+    if len(scores) < group_size:
+        return "incomplete"
+    if not cfg.enabled:
+        return None
+    if cfg.criterion == "zero_spread":
+        return "zero_spread" if max(scores) == min(scores) else None
+    mean = sum(scores) / group_size
+    if mean <= cfg.low:
+        return "mean_too_low"
+    if mean >= cfg.high:
+        return "mean_too_high"
+    return None

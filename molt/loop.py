@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
 import sys
@@ -34,7 +33,7 @@ from molt.agent import RolloutFailed, load_agent, run_chat_rollout, run_env_roll
 from molt.chat_server import ChatServer
 from molt.critic import Critic
 from molt.data import load_dataset, load_processor
-from molt.estimators import ESTIMATORS, dynamic_filter
+from molt.estimators import ESTIMATORS, filter_group
 from molt.generator import Generator
 from molt.losses import (adaptive_kl_coef, importance_weights, kl_penalty, mismatch_metrics, staleness_mask,
                          token_mean)
@@ -119,15 +118,12 @@ class RolloutPool:
                 f"{self.plan.agent.max_failure_fraction}); reasons: {dict(self.failed)}"
             ))
             return
-        flt = self.plan.dynamic_filter
-        # Without dynamic filtering only the completeness check applies: an unbounded score range.
-        low, high = (flt.low, flt.high) if flt.enabled else (-math.inf, math.inf)
-        verdict = dynamic_filter({str(index): [r[0].reward for r in rollouts]}, self.group_size, low, high)
-        if verdict.kept:
+        drop_reason = filter_group([r[0].reward for r in rollouts], self.group_size, self.plan.dynamic_filter)
+        if drop_reason:
+            self.dropped[drop_reason] += 1
+        else:
             self.accepted += 1
             self.ready.put_nowait(Group(index, rollouts))
-        else:
-            self.dropped.update({reason: n for reason, n in verdict.dropped.items() if n})
         self.fill()
 
     async def next_batch(self) -> list[Group]:
@@ -209,6 +205,9 @@ async def _train(plan: Plan, run_dir: str) -> dict:
 async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> dict:
     checkpoints = os.path.join(run_dir, plan.checkpoint.dir)
     check_writable(checkpoints)
+    batches = os.path.join(run_dir, "batches")
+    if plan.logger.save_batches:
+        os.makedirs(batches, exist_ok=True)
     if plan.model.tiny:
         plan.model.path = build_tiny(plan.model.tiny, plan.model.path, plan.model.warm_start_steps)
     if not ray.is_initialized():
@@ -278,8 +277,9 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         rewards_by_step = []
         for step in range(state["step"], plan.trainer.steps):
             try:
+                batch_path = os.path.join(batches, f"step_{step}.pt") if plan.logger.save_batches else None
                 metrics, groups, engine_died = await optimizer_step(plan, pool, generator, trainer, reference, critic,
-                                                                    version, kl_coef)
+                                                                    version, kl_coef, batch_path)
             except EngineDied as e:  # documented choice: keep what was learned, stop, resume later
                 await save_checkpoint(step)
                 raise RuntimeError(f"{e}; wrote a checkpoint at step {step} in {checkpoints}: run again in "
@@ -347,11 +347,12 @@ def check_writable(directory: str) -> None:
 
 
 async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, trainer: Trainer,
-                         reference: Trainer | None, critic: Critic | None,
-                         version: int, kl_coef: float) -> tuple[dict[str, float], list[Group], EngineDied | None]:
+                         reference: Trainer | None, critic: Critic | None, version: int, kl_coef: float,
+                         batch_path: str | None = None) -> tuple[dict[str, float], list[Group], EngineDied | None]:
     """One optimizer step, stage by stage; every stage's wall time is a `timing/*` metric. Returns the
     step's metrics, the groups it trained on, and EngineDied if an engine died in the weight update after
-    the step (the step itself is done). kl_coef weighs the KL to the reference (reward or loss term)."""
+    the step (the step itself is done). kl_coef weighs the KL to the reference (reward or loss term).
+    With batch_path the trained batch, its advantages and loss mask are saved there (logger.save_batches)."""
     t0 = time.perf_counter()
     groups = await pool.next_batch()
     t_batch = time.perf_counter()
@@ -359,6 +360,9 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
     for segment in segments:  # the invariant audit: train only on tokens, logprobs and versions the engine gave
         check_token_identity(segment)
     batch = collate(segments)
+    if plan.schedule.force_on_policy and (batch.versions[batch.action_mask] != version).any():
+        raise RuntimeError(f"schedule.force_on_policy=true: a batch holds tokens sampled by weight versions "
+                           f"{sorted(set(batch.versions[batch.action_mask].tolist()))}, the trainer is at {version}")
     temperature, loss = plan.rollout.temperature, plan.loss
 
     # The actor scores the exact sampled ids; the engine's log-probs stay for the importance correction.
@@ -382,11 +386,13 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
         if loss.kl_in_reward:
             kl_reward = kl_coef * kl_tokens
     advantages, returns = ESTIMATORS[plan.estimator.name](
-        batch.rewards, batch.group_ids, batch.action_mask, plan.estimator,
+        batch.rewards, batch.group_ids, batch.rollout_ids, batch.action_mask, plan.estimator,
         kl_penalty=kl_reward, values=values, old_logprobs=old_logprobs, teacher_logprobs=ref_logprobs,
     )
     t_advantage = time.perf_counter()
 
+    if batch_path:
+        torch.save({"batch": batch, "advantages": advantages, "loss_mask": loss_mask}, batch_path)
     kl_loss_ref = ref_logprobs if (kl_coef > 0 and not loss.kl_in_reward) else None
     train_metrics, old_logprobs = await asyncio.to_thread(
         trainer.train_step, batch, advantages, old_logprobs, loss_mask, kl_loss_ref, batch.routed_experts, kl_coef,
@@ -416,6 +422,8 @@ async def optimizer_step(plan: Plan, pool: RolloutPool, generator: Generator, tr
         **mismatch_metrics(batch.rollout_logprobs, old_logprobs, batch.action_mask),
         **{k if "/" in k else f"train/{k}": v for k, v in train_metrics.items()},
         "pool/groups_dropped": float(sum(pool.dropped.values())),
+        # grpo, dr_grpo and reinforce_baseline give such a group advantage 0, rloo its reward
+        "pool/single_rollout_groups": float(sum(len(g.rollouts) == 1 for g in groups)),
         "pool/rollouts_failed": float(sum(pool.failed.values())),
         "timing/gen_wait": t_batch - t0,
         "timing/logprobs": t_logprobs - t_batch,

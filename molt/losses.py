@@ -14,23 +14,34 @@ from torch import Tensor
 
 from molt.plan import ImportanceSamplingPlan, LossPlan
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")  # loss.aggregation
 MAX_LOG_WEIGHT = 20.0  # |log w| bound of an importance weight, so exp() stays finite in float32
+KL_BOUND = 10.0  # |per-token KL estimate| bound (kl_penalty)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clamp: float = 10.0) -> Tensor:
-    """Per-token KL(π || π_ref) estimate from Δ = log π − log π_ref on tokens sampled from π.
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+    """Per-token KL estimate from Δ = log π − log π_ref on tokens sampled from π, bounded to ±KL_BOUND.
 
-    k1 = Δ (unbiased, can be negative), k2 = Δ²/2, k3 = exp(−Δ) − 1 + Δ (unbiased, non-negative).
-    Δ is clamped to ±clamp (a non-finite Δ too), so one degenerate token cannot dominate the batch.
+    Values: k1 = Δ and k3 = exp(−Δ) − 1 + Δ are unbiased estimates of KL(π || π_ref) (k3 ≥ 0, lower
+    variance); k2 = Δ²/2 is biased but close for small Δ. Gradients, as a loss term on samples of π (what the
+    trainer differentiates): E[∇k1] = E[∇log π] = 0, so k1 is useless as a loss term (the validator refuses
+    it; as a reward it is the classic per-token KL penalty); E[∇k2] = ∇KL(π || π_ref); E[∇k3] = ∇KL(π_ref || π),
+    the reverse direction (tests/test_losses.py checks all three exactly on a small softmax).
+    Δ is clamped to ±MAX_LOG_WEIGHT (a non-finite Δ counts as 0) so exp() stays finite, and the estimate to
+    ±KL_BOUND: at Δ = −10, k3 would be 22,000 with a gradient of −22,000; bounded, it is 10 with gradient 0,
+    so one degenerate token cannot dominate the loss, `kl/policy_ref` or the adaptive KL controller.
     """
-    delta = torch.nan_to_num(logprobs - ref_logprobs, nan=0.0).clamp(-clamp, clamp)
+    delta = torch.nan_to_num(logprobs - ref_logprobs, nan=0.0).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
     if estimator == "k1":
-        return delta
-    if estimator == "k2":
-        return delta**2 / 2
-    if estimator == "k3":
-        return torch.expm1(-delta) + delta
-    raise ValueError(f"loss.kl_estimator='{estimator}' is not one of k1, k2, k3")
+        estimate = delta
+    elif estimator == "k2":
+        estimate = delta**2 / 2
+    elif estimator == "k3":
+        estimate = torch.expm1(-delta) + delta
+    else:
+        raise ValueError(f"loss.kl_estimator='{estimator}' is not one of {', '.join(KL_ESTIMATORS)}")
+    return estimate.clamp(-KL_BOUND, KL_BOUND)
 
 
 def staleness_mask(action_mask: Tensor, versions: Tensor, current_version: int,
@@ -50,8 +61,12 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     w_t = exp(log π_old − log π_rollout). Level `token` weights each token by w_t, `seq` every token of a
     sequence by the product of its w_t, `geo` by their geometric mean. Mode `mask` zeroes weights outside
     [low, high] (at seq/geo level this gates out the whole sequence), `clip` clamps them into it, `trunc`
-    caps them at high. Masked tokens stay in the loss denominator. Weights are meaningful on loss_mask
-    only; with cfg.enabled False they are all ones.
+    caps them at high. On top, the sequence gate (cfg.seq_gate = [low, high], the paper's hard sequence-level
+    gate) zeroes every weight of a sequence whose geometric-mean weight exp(mean of log w_t over its loss
+    tokens) leaves [low, high]: one wild token in a short sequence, or a drift spread over a long one, drops
+    the sequence whole. A sequence is one row: a compacted rollout's segments are gated separately. Masked
+    and gated tokens stay in the loss denominator. Weights are meaningful on loss_mask only; with
+    cfg.enabled False they are all ones.
     """
     if not cfg.enabled:
         return torch.ones_like(old_logprobs), {}
@@ -64,10 +79,13 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     # A NaN log-probability is a broken token: treat it as maximal mismatch so the gate removes it.
     log_w = (old_logprobs - rollout_logprobs).detach().float()
     log_w = torch.where(loss_mask, torch.nan_to_num(log_w, nan=MAX_LOG_WEIGHT), 0.0)
+    log_w = log_w.clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    tokens_per_seq = loss_mask.sum(1, keepdim=True)
+    seq_mean_log_w = log_w.sum(1, keepdim=True) / tokens_per_seq.clamp(min=1)
     if cfg.level == "seq":
         log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
     elif cfg.level == "geo":
-        log_w = (log_w.sum(1, keepdim=True) / loss_mask.sum(1, keepdim=True).clamp(min=1)).expand_as(log_w)
+        log_w = seq_mean_log_w.expand_as(log_w)
     weights = log_w.clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT).exp()
 
     outside = (weights > cfg.high) if cfg.mode == "trunc" else (weights < cfg.low) | (weights > cfg.high)
@@ -78,11 +96,20 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     else:
         weights = weights.clamp(max=cfg.high)
 
+    has_tokens = tokens_per_seq.squeeze(1) > 0
+    gated = torch.zeros_like(has_tokens)
+    if cfg.seq_gate is not None:
+        gate_low, gate_high = cfg.seq_gate
+        seq_weight = seq_mean_log_w.squeeze(1).exp()
+        gated = has_tokens & ((seq_weight < gate_low) | (seq_weight > gate_high))
+        weights = torch.where(gated[:, None], 0.0, weights)
+
     filtered = outside & loss_mask
-    has_tokens = loss_mask.any(1)
     return weights, {
         "is/filtered_token_frac": _fraction(filtered, loss_mask),
         "is/filtered_seq_frac": _fraction(filtered.any(1), has_tokens),
+        "is/gated_seq_frac": _fraction(gated, has_tokens),
+        "is/gated_token_frac": _fraction(gated[:, None] & loss_mask, loss_mask),
         "is/weight_mean": _masked_mean(weights, loss_mask),
     }
 
@@ -93,11 +120,13 @@ def mismatch_metrics(rollout_logprobs: Tensor, old_logprobs: Tensor, action_mask
     k3 estimates KL(π_rollout || π_old) from the tokens the engine sampled.
     """
     rollout_logprobs, old_logprobs = rollout_logprobs.detach().float(), old_logprobs.detach().float()
-    abs_delta = torch.where(action_mask, (rollout_logprobs - old_logprobs).abs(), 0.0)
+    delta = torch.where(action_mask, rollout_logprobs - old_logprobs, 0.0).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    abs_delta = delta.abs()
     return {
         "mismatch/abs_mean": _masked_mean(abs_delta, action_mask),
         "mismatch/abs_max": abs_delta.max().item() if abs_delta.numel() else 0.0,
-        "mismatch/k3": _masked_mean(kl_penalty(rollout_logprobs, old_logprobs, "k3"), action_mask),
+        # unbounded here: a diagnostic, not a loss term
+        "mismatch/k3": _masked_mean(torch.expm1(-delta) + delta, action_mask),
     }
 
 
@@ -173,15 +202,41 @@ def entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def token_mean(per_token: Tensor, loss_mask: Tensor, num_tokens: int | Tensor) -> Tensor:
-    """sum(per_token over loss_mask) / max(num_tokens, 1): this micro-batch's share of the global token mean.
+def token_weights(loss_mask: Tensor, rollout_ids: Tensor, aggregation: str, max_rollout_tokens: int) -> Tensor:
+    """Per-token weights [B, T], zero off the loss mask, that make the step's loss Σ w_t·ℓ_t (`aggregate`).
 
-    num_tokens is the number of loss tokens in the whole optimizer step: every micro-batch on every
-    data-parallel rank, counted by the caller (an all-reduce SUM of loss_mask.sum()). For the update to be
-    invariant to the number of ranks and micro-batches, the trainer must SUM gradients over micro-batches
-    (plain backward accumulation) and over ranks, not average them: FSDP2 averages by default, so call
-    `model.set_gradient_divide_factor(1.0)` or multiply the loss by the data-parallel world size.
+    Computed once per optimizer step over the whole batch, so each micro-batch on each data-parallel rank
+    adds its own share and the update does not depend on how the batch is split (the trainer sums gradients
+    over micro-batches and ranks). A rollout counts once, however many segments (rows) it has.
+      token_mean           1 / (loss tokens of the step): every token weighs the same (PPO, CISPO; the paper's)
+      seq_mean_token_mean  1 / (rollouts x loss tokens of the rollout): every rollout weighs the same (GSPO)
+      seq_mean_token_sum   1 / (rollouts x max_rollout_tokens): a constant normaliser (Dr. GRPO), no length bias
+    Rollouts count when they have at least one loss token.
     """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"loss.aggregation='{aggregation}' is not one of {', '.join(AGGREGATIONS)}")
+    loss_mask = loss_mask.bool()
+    if aggregation == "token_mean":
+        return loss_mask / loss_mask.sum().clamp(min=1)
+    _, row_rollout = torch.unique(rollout_ids, return_inverse=True)
+    rollout_tokens = torch.zeros(int(row_rollout.max()) + 1 if len(row_rollout) else 0).index_add_(
+        0, row_rollout, loss_mask.sum(1).float())
+    rollouts = (rollout_tokens > 0).sum().clamp(min=1)
+    if aggregation == "seq_mean_token_mean":
+        per_row = 1 / (rollouts * rollout_tokens[row_rollout].clamp(min=1))
+    else:
+        per_row = torch.full(row_rollout.shape, 1 / (float(rollouts) * max_rollout_tokens))
+    return loss_mask * per_row[:, None]
+
+
+def aggregate(per_token: Tensor, weights: Tensor) -> Tensor:
+    """Σ weights·per_token: this micro-batch's share of the step's loss (weights from `token_weights`)."""
+    return torch.where(weights != 0, per_token * weights, 0.0).sum()
+
+
+def token_mean(per_token: Tensor, loss_mask: Tensor, num_tokens: int | Tensor) -> Tensor:
+    """sum(per_token over loss_mask) / max(num_tokens, 1), num_tokens counted over the whole step by the caller:
+    this micro-batch's share of the global token mean (the critic's value loss, KL metrics)."""
     total = torch.where(loss_mask, per_token, 0.0).sum()
     if isinstance(num_tokens, Tensor):
         return total / num_tokens.clamp(min=1)

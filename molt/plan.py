@@ -14,9 +14,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
-
-
 @dataclass
 class ModelPlan:
     name: str = "tiny"
@@ -118,6 +115,9 @@ class ImportanceSamplingPlan:
     low: float = 0.5
     high: float = 2.0
     max_staleness: Optional[int] = None  # mask tokens sampled more than this many versions ago
+    # Sequence gate [low, high] on top of the weights above: a sequence whose geometric-mean weight
+    # exp(mean log w over its loss tokens) leaves it gets weight 0 on every token; null = no gate.
+    seq_gate: Optional[list[float]] = field(default_factory=lambda: [0.5, 2.0])
 
 
 @dataclass
@@ -127,7 +127,11 @@ class LossPlan:
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
     cispo_max_weight: float = 5.0
-    logratio_clamp: float = 20.0
+    logratio_clamp: float = 20.0  # |log ratio| bound before exp(), for every ratio and KL estimate
+    # How per-token losses become the step's loss (molt/losses.py token_weights): token_mean (over the
+    # step's loss tokens) | seq_mean_token_mean (per rollout, then over rollouts) | seq_mean_token_sum
+    # (per rollout, sum / agent.max_turns x agent.max_tokens_per_turn, then over rollouts; Dr. GRPO)
+    aggregation: str = "token_mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"  # k1 | k2 | k3
     kl_in_reward: bool = False  # KL as a per-token reward (reinforce_pp, gae) instead of a loss term
@@ -144,14 +148,18 @@ class SchedulePlan:
     name: str = "async"
     queue_depth: int = 2  # batches generated ahead of training; 1 = sync, no overlap
     partial_rollout: bool = False  # in-flight requests survive a refit and continue on new weights
-    force_on_policy: bool = False  # one complete rollout batch = exactly one optimizer step
+    # Every trained token was sampled by the weights being updated (checked each step; the run stops if not).
+    force_on_policy: bool = False
     refit_every: int = 1
 
 
 @dataclass
 class DynamicFilterPlan:
     enabled: bool = False
-    low: float = 0.0  # keep groups whose mean score lies strictly inside (low, high)
+    # zero_spread: drop groups whose rewards are all equal (DAPO); mean_bounds: keep groups whose mean
+    # reward lies strictly inside (low, high)
+    criterion: str = "zero_spread"
+    low: float = 0.0
     high: float = 1.0
 
 
@@ -206,6 +214,7 @@ class LoggerPlan:
     mlflow: MlflowPlan = field(default_factory=MlflowPlan)
     console: bool = True
     eval_every: int = 0  # score the eval split before step 0, every this many steps and at the end; 0 = never
+    save_batches: bool = False  # write each step's batch, advantages and loss mask to <run dir>/batches/step_<n>.pt
 
 
 @dataclass

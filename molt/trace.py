@@ -104,8 +104,11 @@ class TrainBatch:
     action_mask: torch.Tensor  # [B, T] bool
     rollout_logprobs: torch.Tensor  # [B, T] float32, the engine's log-probabilities (0 off actions)
     versions: torch.Tensor  # [B, T] long, weight version of each action token (-1 off actions)
-    rewards: torch.Tensor  # [B] float32
+    rewards: torch.Tensor  # [B] float32, the reward of the row's rollout (equal on all its segments)
     group_ids: torch.Tensor  # [B] long, rollouts of one prompt share an id
+    # [B] long: the segments of one rollout share an id, and their rows follow each other in segment order.
+    # Group statistics count rollouts, not rows (molt/estimators.py).
+    rollout_ids: torch.Tensor
     routed_experts: Optional[torch.Tensor] = None  # [B, T, layers, top_k] int16, -1 where no route
     # Multimodal: [B, images, 3, H, W] and [B, images, H, W]; padding images are all zero, which the
     # Idefics3 forward skips.
@@ -120,8 +123,17 @@ class TrainBatch:
 
 
 def collate(trajectories: list[Trajectory]) -> TrainBatch:
-    """Pad trajectories into one TrainBatch; group ids become consecutive integers."""
+    """Pad trajectories into one TrainBatch; group and rollout ids become consecutive integers. A rollout's
+    segments must be consecutive and in segment order (as molt/agent.py returns them)."""
     group_index: dict[str, int] = {}
+    rollout_index: dict[str, int] = {}
+    for previous, t in zip([None, *trajectories], trajectories):
+        starts_rollout = previous is None or previous.rollout_id != t.rollout_id
+        expected_segment = 0 if starts_rollout else previous.segment + 1
+        if t.segment != expected_segment or (starts_rollout and t.rollout_id in rollout_index):
+            raise ValueError(f"rollout {t.rollout_id}: its segments must be consecutive rows in order 0, 1, ...; "
+                             f"got segment {t.segment} where segment {expected_segment} belongs")
+        rollout_index.setdefault(t.rollout_id, len(rollout_index))
     length = max(len(t.token_ids) for t in trajectories)
 
     def padded(values: list, pad, dtype) -> torch.Tensor:
@@ -149,6 +161,7 @@ def collate(trajectories: list[Trajectory]) -> TrainBatch:
         **{name: torch.stack([row[name] for row in rows]) for name in rows[0]},
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([group_index.setdefault(t.group_id, len(group_index)) for t in trajectories]),
+        rollout_ids=torch.tensor([rollout_index[t.rollout_id] for t in trajectories]),
         routed_experts=routed_experts,
         **images,
     )

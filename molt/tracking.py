@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 from molt.cli import CONF_DIR
 from molt.plan import Plan, plan_to_yaml, to_plan
-from molt.validate import validate
+from molt.validate import check_inputs, validate
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Distributions whose versions a run records and a reproduction checks (vLLM's CPU build has its own name).
@@ -381,7 +381,7 @@ def reproduce(source: str, overrides: Sequence[str] = (), force: bool = False,
     """Relaunch a recorded run's plan (plus overrides) as a new run tagged `molt.reproduced_from`."""
     plan = load_plan(source, overrides, force, tracking_uri)
     plan.logger.mlflow.tags["molt.reproduced_from"] = os.path.abspath(source) if os.path.isdir(source) else source
-    problems = validate(plan)
+    problems = validate(plan) + check_inputs(plan)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise RecordError(f"the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")

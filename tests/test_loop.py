@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from molt.loop import train
 from molt.trainer import latest_checkpoint
@@ -15,6 +16,7 @@ from runs import check_prompt_stream, kill_tree, run_molt, steps_log, valid_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
+COMPACTING_AGENT = str(Path(__file__).with_name("compacting_agent.py"))
 # Small and fast: 4 groups x 4 samples per step, console logging only.
 SHORT = ["trainer.steps=3", "trainer.groups_per_step=4", "rollout.samples_per_prompt=4",
          "trainer.micro_batch_size=8", "logger=console"]
@@ -86,6 +88,31 @@ def test_on_policy_distillation(tmp_path):
     plan = valid_plan(*SHORT, "estimator=on_policy_distill", "reference.enabled=true", "schedule=sync")
     train(plan, str(tmp_path))
     assert len(steps_log(tmp_path)) == 3
+
+
+def test_compacted_rollouts_count_once_in_group_statistics(tmp_path):
+    """An agent that compacts its context trains on two segments (rows) per rollout; the GRPO advantages the
+    loop trained on are those of its rollouts, each broadcast to every action token of all its segments."""
+    plan = valid_plan(*SHORT, "trainer.steps=2", "agent=openai_chat", f"agent.path={COMPACTING_AGENT}",
+                      "agent.name=compacting", "agent.max_tokens_per_turn=8", "estimator=grpo", "schedule=sync",
+                      "logger.save_batches=true")
+    train(plan, str(tmp_path))
+    records = steps_log(tmp_path)
+    assert all(r["rollout/samples"] == 16 and r["rollout/segments"] == 32 for r in records)
+    for step in range(2):
+        saved = torch.load(tmp_path / "batches" / f"step_{step}.pt", weights_only=False)
+        batch, advantages = saved["batch"], saved["advantages"]
+        assert len(batch) == 32 and len(batch.rollout_ids.unique()) == 16
+        rollouts = {int(r): (float(reward), int(g))
+                    for r, reward, g in zip(batch.rollout_ids, batch.rewards, batch.group_ids)}
+        for row in range(len(batch)):
+            reward, group = rollouts[int(batch.rollout_ids[row])]
+            members = torch.tensor([r for r, g in rollouts.values() if g == group])
+            assert len(members) == 4  # rollouts, not segments
+            expected = (reward - members.mean()) / (members.std() + plan.estimator.eps)
+            actions = advantages[row][batch.action_mask[row]]
+            assert len(actions) > 0
+            torch.testing.assert_close(actions, torch.full_like(actions, float(expected)), atol=1e-5, rtol=0)
 
 
 def test_killed_run_resumes_without_losing_or_repeating_a_prompt(tmp_path):

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from molt.losses import (POLICY_LOSSES, adaptive_kl_coef, entropy, importance_weights, kl_penalty,
-                         mismatch_metrics, policy_loss, staleness_mask, token_mean, value_loss)
+from molt.losses import (AGGREGATIONS, KL_BOUND, POLICY_LOSSES, adaptive_kl_coef, aggregate, entropy,
+                         importance_weights, kl_penalty, mismatch_metrics, policy_loss, staleness_mask, token_mean,
+                         token_weights, value_loss)
 from molt.plan import ImportanceSamplingPlan, LossPlan
 
 LEVELS, MODES = ("token", "seq", "geo"), ("mask", "clip", "trunc")
@@ -26,13 +27,51 @@ def test_kl_estimators_hand_example():
                                torch.tensor([math.exp(-0.5) - 0.5, math.exp(1) - 2, 0.0]))
 
 
-def test_kl_clamps_extremes_and_non_finite_values():
-    logprobs = torch.tensor([-60.0, float("-inf"), float("nan"), 0.0])
-    ref = torch.tensor([-1.0, -1.0, -1.0, float("-inf")])  # Δ = -59, -inf, nan, +inf
-    k1, k3 = kl_penalty(logprobs, ref, "k1", clamp=10.0), kl_penalty(logprobs, ref, "k3", clamp=10.0)
-    torch.testing.assert_close(k1, torch.tensor([-10.0, -10.0, 0.0, 10.0]))
-    high = math.exp(10) - 11  # exp(−Δ) − 1 + Δ at Δ = −10
-    torch.testing.assert_close(k3, torch.tensor([high, high, 0.0, math.exp(-10) + 9]))
+def test_kl_bounds_extremes_and_non_finite_values():
+    logprobs = torch.tensor([-60.0, float("-inf"), float("nan"), 0.0, -3.0])
+    ref = torch.tensor([-1.0, -1.0, -1.0, float("-inf"), -1.0])  # Δ = -59, -inf, nan, +inf, -2
+    k1, k3 = kl_penalty(logprobs, ref, "k1"), kl_penalty(logprobs, ref, "k3")
+    torch.testing.assert_close(k1, torch.tensor([-10.0, -10.0, 0.0, 10.0, -2.0]))
+    torch.testing.assert_close(k3, torch.tensor([10.0, 10.0, 0.0, 10.0, math.exp(2) - 3]))
+
+
+def test_k3_is_bounded_with_zero_gradient_beyond_the_bound():
+    """At Δ = −10 the unbounded k3 is ~22,000 with a gradient of ~−22,000: one token would swamp the batch."""
+    logprobs = torch.tensor([-11.0, -2.0], requires_grad=True)
+    kl = kl_penalty(logprobs, torch.tensor([-1.0, -1.0]), "k3")  # Δ = −10, −1
+    assert kl[0].item() == KL_BOUND
+    kl.sum().backward()
+    assert logprobs.grad[0] == 0.0
+    assert logprobs.grad[1] == pytest.approx(1 - math.e, rel=1e-5)  # inside the bound: d k3/dΔ = 1 − exp(−Δ)
+
+
+def expected_kl_gradient(estimator: str, theta: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """E_{a~π}[∇θ k(log π(a) − log π_ref(a))], exactly: every action weighted by its (constant) probability,
+    the gradient flowing through log π as in the trainer's loss term."""
+    logprobs = torch.log_softmax(theta, -1)
+    per_action = kl_penalty(logprobs, ref_logprobs, estimator)
+    (gradient,) = torch.autograd.grad((logprobs.exp().detach() * per_action).sum(), theta)
+    return gradient
+
+
+def test_kl_estimator_gradients_estimate_the_documented_direction():
+    """On a 6-action softmax: k1's expected gradient is 0, k2's is ∇KL(π || π_ref), k3's ∇KL(π_ref || π)."""
+    generator = torch.Generator().manual_seed(0)
+    theta = torch.randn(6, generator=generator, dtype=torch.float64, requires_grad=True)
+    ref_logprobs = torch.log_softmax(torch.randn(6, generator=generator, dtype=torch.float64), -1)
+
+    def analytic(direction: str) -> torch.Tensor:
+        logprobs = torch.log_softmax(theta, -1)
+        if direction == "forward":  # KL(π || π_ref)
+            kl = (logprobs.exp() * (logprobs - ref_logprobs)).sum()
+        else:  # KL(π_ref || π)
+            kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum()
+        return torch.autograd.grad(kl, theta)[0]
+
+    torch.testing.assert_close(expected_kl_gradient("k1", theta, ref_logprobs), torch.zeros(6, dtype=torch.float64))
+    torch.testing.assert_close(expected_kl_gradient("k2", theta, ref_logprobs), analytic("forward"))
+    torch.testing.assert_close(expected_kl_gradient("k3", theta, ref_logprobs), analytic("reverse"))
+    assert not torch.allclose(analytic("forward"), analytic("reverse"))  # the check can tell them apart
 
 
 def test_kl_gradient_is_finite_for_extremes():
@@ -81,7 +120,7 @@ IS_EXPECTED = {  # on the mask, low = 0.5, high = 2; filtered (tokens, sequences
 def test_importance_weights_hand_example(level, mode):
     expected, filtered_tokens, filtered_seqs = IS_EXPECTED[level, mode]
     rollout = torch.full((2, 3), -2.0)
-    cfg = ImportanceSamplingPlan(level=level, mode=mode, low=0.5, high=2.0)
+    cfg = ImportanceSamplingPlan(level=level, mode=mode, low=0.5, high=2.0, seq_gate=None)
     weights, metrics = importance_weights(rollout + IS_LOG_W, rollout, IS_MASK, cfg)
     torch.testing.assert_close(weights[IS_MASK], torch.tensor(expected, dtype=torch.float32))
     assert metrics["is/filtered_token_frac"] == pytest.approx(filtered_tokens / 5)
@@ -92,9 +131,11 @@ def test_importance_weights_are_stop_gradient_and_gate_nan_tokens():
     old = torch.zeros(1, 2, requires_grad=True)
     rollout = torch.tensor([[0.0, float("nan")]])
     mask = torch.ones(1, 2, dtype=torch.bool)
-    weights, _ = importance_weights(old, rollout, mask, ImportanceSamplingPlan())
+    weights, _ = importance_weights(old, rollout, mask, ImportanceSamplingPlan(seq_gate=None))
     assert not weights.requires_grad
     assert weights.tolist() == [[1.0, 0.0]]
+    gated, _ = importance_weights(old, rollout, mask, ImportanceSamplingPlan())  # and the gate drops its sequence
+    assert gated.tolist() == [[0.0, 0.0]]
 
 
 def test_stale_tokens_leave_the_loss_mask():
@@ -127,6 +168,34 @@ def test_importance_correction_is_identity_on_policy(batch, length, low, high, d
             weights, metrics = importance_weights(logprobs, logprobs.clone(), mask, cfg)
             assert (weights[mask] == 1).all(), (level, mode)
             assert metrics["is/filtered_token_frac"] == 0 and metrics["is/filtered_seq_frac"] == 0
+            assert metrics["is/gated_seq_frac"] == 0
+
+
+def test_one_wild_token_gates_its_sequence_and_only_that_sequence():
+    """Per-token weights (mask mode) times the sequence gate on the geometric-mean weight."""
+    log_w = torch.zeros(3, 4)
+    log_w[0, 1] = 8.0  # a wild token: geometric mean exp(8/4) = 7.4 > 2, the whole row goes
+    log_w[1] = torch.tensor([0.3, -0.3, 0.9, 0.0])  # token 2 (w = 2.46) is masked, the row's mean is inside
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, 2:] = False
+    rollout = torch.full((3, 4), -2.0)
+    weights, metrics = importance_weights(rollout + log_w, rollout, mask, ImportanceSamplingPlan())
+    assert (weights[0] == 0).all()
+    torch.testing.assert_close(weights[1], torch.tensor([math.exp(0.3), math.exp(-0.3), 0.0, 1.0]))
+    torch.testing.assert_close(weights[2, :2], torch.ones(2))
+    assert metrics["is/gated_seq_frac"] == pytest.approx(1 / 3)
+    assert metrics["is/gated_token_frac"] == pytest.approx(4 / 10)
+
+
+def test_gated_sequences_stay_in_the_token_mean_denominator():
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    rollout = torch.full((2, 3), -1.0)
+    old = rollout.clone()
+    old[0, 0] += 10.0  # gates row 0
+    is_weights, _ = importance_weights(old, rollout, mask, ImportanceSamplingPlan())
+    per_token, _ = policy_loss(rollout.clone(), rollout, torch.ones(2, 3), mask, LossPlan(), is_weights=is_weights)
+    weights = token_weights(mask, torch.tensor([0, 1]), "token_mean", max_rollout_tokens=3)
+    assert aggregate(per_token, weights).item() == pytest.approx(-3 / 6)  # row 1's −1 per token over 6 tokens
 
 
 def test_mismatch_metrics_hand_example():
@@ -264,25 +333,67 @@ def test_adaptive_kl_coef_moves_toward_target():
     assert adaptive_kl_coef(0.1, 5.0, 100, LossPlan()) == 0.1  # no target: fixed coefficient
 
 
-# The global token mean makes the gradient independent of the rank / micro-batch split.
+# Aggregation, and the gradient's independence of the rank / micro-batch split.
 
 
-def step_loss(weight, features, tokens, old, ref, advantages, rollout, mask, num_tokens, cfg):
-    """The trainer's per-micro-batch objective: policy + KL + entropy terms over one shared token count."""
+def test_aggregation_hand_example():
+    """Rollout 0 is compacted into rows 0 and 1 (2 + 1 loss tokens); rollout 1 is row 2 (1 loss token)."""
+    mask = torch.tensor([[True, True, False], [False, True, False], [True, False, False]])
+    rollouts = torch.tensor([4, 4, 7])
+    per_token = torch.tensor([[1.0, 2.0, 99.0], [0.0, 3.0, 99.0], [8.0, 99.0, 99.0]])
+
+    def loss(aggregation):
+        return aggregate(per_token, token_weights(mask, rollouts, aggregation, max_rollout_tokens=4)).item()
+
+    assert loss("token_mean") == pytest.approx((1 + 2 + 3 + 8) / 4)
+    assert loss("seq_mean_token_mean") == pytest.approx(((1 + 2 + 3) / 3 + 8 / 1) / 2)
+    assert loss("seq_mean_token_sum") == pytest.approx(((1 + 2 + 3) / 4 + 8 / 4) / 2)
+    with pytest.raises(ValueError, match="loss.aggregation='sum'"):
+        token_weights(mask, rollouts, "sum", 4)
+
+
+def test_gspo_recipe_weighs_every_sequence_equally():
+    """With the sequence mean a long answer's tokens together weigh as much as a short answer's."""
+    from runs import compose_plan
+
+    assert compose_plan("loss=gspo").loss.aggregation == "seq_mean_token_mean"
+    mask = torch.tensor([[True] * 8, [True, False, False, False, False, False, False, False]])
+    weights = token_weights(mask, torch.tensor([0, 1]), "seq_mean_token_mean", max_rollout_tokens=8)
+    assert weights[0].sum().item() == pytest.approx(0.5) and weights[1].sum().item() == pytest.approx(0.5)
+
+
+def test_ppo_ratio_is_one_in_the_first_epoch_however_stale_the_tokens():
+    """π_old is the trainer's weights before the step, so with one epoch the clip never acts; a stale token's
+    gap to the engine's policy shows in its importance weight instead. In a second epoch the clip acts."""
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    current = torch.tensor([[-1.0, -2.0, -0.5, -1.5]], requires_grad=True)
+    stale_rollout = current.detach() + torch.tensor([[0.0, 0.4, -0.4, 0.1]])  # sampled by older weights
+    advantages = torch.ones(1, 4)
+    is_weights, _ = importance_weights(current.detach(), stale_rollout, mask, ImportanceSamplingPlan())
+    _, first_epoch = policy_loss(current, current.detach(), advantages, mask, LossPlan(), is_weights)
+    assert first_epoch["loss/clip_frac"] == 0 and first_epoch["loss/ratio_mean"] == pytest.approx(1.0)
+    assert not torch.allclose(is_weights, torch.ones(1, 4))
+    moved = current.detach() + torch.tensor([[0.5, 0.0, 0.0, 0.0]])  # the weights after the first epoch's step
+    _, second_epoch = policy_loss(moved, current.detach(), advantages, mask, LossPlan(), is_weights)
+    assert second_epoch["loss/clip_frac"] == pytest.approx(1 / 4)
+
+
+def step_loss(weight, features, tokens, old, ref, advantages, rollout, mask, loss_weights, cfg):
+    """The trainer's per-micro-batch objective: policy + KL + entropy terms, aggregated with the step's weights."""
     logits = features @ weight
     logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
     is_weights, _ = importance_weights(old, rollout, mask, cfg.importance_sampling)
     per_token, _ = policy_loss(logprobs, old, advantages, mask, cfg, is_weights=is_weights)
     kl = kl_penalty(logprobs, ref, cfg.kl_estimator)
-    return (token_mean(per_token, mask, num_tokens) + cfg.kl_coef * token_mean(kl, mask, num_tokens)
-            - cfg.entropy_coef * token_mean(entropy(logits), mask, num_tokens))
+    return (aggregate(per_token, loss_weights) + cfg.kl_coef * aggregate(kl, loss_weights)
+            - cfg.entropy_coef * aggregate(entropy(logits), loss_weights))
 
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 8), st.integers(1, 3), st.integers(1, 3), st.sampled_from(list(POLICY_LOSSES)),
-       st.sampled_from(LEVELS), st.sampled_from(MODES), st.integers(0, 2**31 - 1))
+       st.sampled_from(LEVELS), st.sampled_from(MODES), st.sampled_from(AGGREGATIONS), st.integers(0, 2**31 - 1))
 def test_gradient_is_invariant_to_rank_and_micro_batch_split(batch, ranks, micro_batches, name, level, mode,
-                                                             seed):
+                                                             aggregation, seed):
     generator = torch.Generator().manual_seed(seed)
     length, dim, vocab = 5, 4, 6
     features = torch.randn(batch, length, dim, generator=generator)
@@ -290,16 +401,17 @@ def test_gradient_is_invariant_to_rank_and_micro_batch_split(batch, ranks, micro
     old, ref, rollout = (-torch.rand(batch, length, generator=generator) * 3 for _ in range(3))
     advantages = torch.randn(batch, length, generator=generator)
     mask = torch.rand(batch, length, generator=generator) < 0.7
+    rollout_ids = torch.randint(0, 2, (batch,), generator=generator).cumsum(0)  # some rollouts span rows
     weight = torch.randn(dim, vocab, generator=generator, requires_grad=True)
-    cfg = LossPlan(name=name, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0,
-                   importance_sampling=ImportanceSamplingPlan(level=level, mode=mode))
-    rows = (features, tokens, old, ref, advantages, rollout, mask)
-    num_tokens = int(mask.sum())  # counted over the whole step, as an all-reduce SUM would
+    cfg = LossPlan(name=name, kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, dual_clip=3.0,
+                   aggregation=aggregation, importance_sampling=ImportanceSamplingPlan(level=level, mode=mode))
+    loss_weights = token_weights(mask, rollout_ids, aggregation, max_rollout_tokens=2 * length)  # whole step
+    rows = (features, tokens, old, ref, advantages, rollout, mask, loss_weights)
 
-    (full,) = torch.autograd.grad(step_loss(weight, *rows, num_tokens, cfg), weight)
+    (full,) = torch.autograd.grad(step_loss(weight, *rows, cfg), weight)
     summed = torch.zeros_like(weight)  # gradients summed over micro-batches and ranks, never averaged
     for rank_rows in torch.arange(batch).tensor_split(ranks):
         for micro_rows in rank_rows.tensor_split(micro_batches):
-            loss = step_loss(weight, *(x[micro_rows] for x in rows), num_tokens, cfg)
+            loss = step_loss(weight, *(x[micro_rows] for x in rows), cfg)
             summed += torch.autograd.grad(loss, weight)[0]
     torch.testing.assert_close(summed, full, atol=1e-6, rtol=1e-5)

@@ -155,7 +155,8 @@ def make_batch(rows=3, length=24, seed=0):
     ids = torch.where(attention, torch.randint(0, 512, (rows, length), generator=g), 0)
     return TrainBatch(token_ids=ids, attention_mask=attention, action_mask=action,
                       rollout_logprobs=torch.zeros(rows, length), versions=torch.where(action, 0, -1),
-                      rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long))
+                      rewards=torch.zeros(rows), group_ids=torch.zeros(rows, dtype=torch.long),
+                      rollout_ids=torch.arange(rows))
 
 
 def captured_routes(model, batch):
