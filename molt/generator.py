@@ -105,6 +105,7 @@ class RolloutEngine:
         seed: Optional[int],
         request_id: str,
         images: Optional[list] = None,
+        stop: Optional[list[str]] = None,
     ) -> Sample:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -116,7 +117,8 @@ class RolloutEngine:
             top_k=top_k,
             seed=seed,
             logprobs=0,  # only the sampled token's log-probability
-            detokenize=False,
+            stop=stop,  # the engine stops on the token that completes one; every sampled id is returned
+            detokenize=bool(stop),  # vLLM matches stop strings on its detokenized text
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
         )
         prompt = {"prompt_token_ids": prompt_ids}
@@ -241,11 +243,13 @@ class Generator:
         session_id: Optional[str] = None,
         seed: Optional[int] = None,
         images: Optional[list] = None,
+        stop: Optional[list[str]] = None,
     ) -> Sample:
-        """Sample a continuation of `prompt_ids`; `images` are the images of its IMAGE tokens, in order."""
+        """Sample a continuation of `prompt_ids`; `images` are the images of its IMAGE tokens, in order;
+        `stop`: strings the engine stops at (the chat APIs' stop sequences)."""
         index = self.router.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
-        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id, images or None)
+        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id, images or None, stop or None)
         sample = asyncio.get_running_loop().create_future()
         if not self.unsent[index]:
             asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick

@@ -34,7 +34,7 @@ from molt.trace import check_token_identity
 from molt.tracking import REDACTED, Tracker, redact
 
 HELLO = [{"role": "user", "content": "What is 3 + 4?"}]
-OPENAI, ANTHROPIC = "/v1/chat/completions", "/v1/messages"
+OPENAI, ANTHROPIC, RESPONSES = "/v1/chat/completions", "/v1/messages", "/v1/responses"
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,24 @@ anthropic_body = st.fixed_dictionaries(
     optional={"max_tokens": mostly(st.integers(1, 64)), "system": mostly(texts),
               "tools": mostly(st.lists(anthropic_tool, max_size=2)), "tool_choice": mostly(st.just({"type": "auto"}))},
 )
+responses_item = mostly(st.one_of(
+    st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "developer", "system", "assistant"])),
+                           "content": mostly(texts | st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text"]), "text": mostly(texts)}),
+                               max_size=2))}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": mostly(texts), "name": mostly(texts),
+                           "arguments": mostly(texts | st.just('{"x": 1}'))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": mostly(texts), "output": mostly(texts)}),
+    st.fixed_dictionaries({"type": texts}),
+))
+responses_body = st.fixed_dictionaries(
+    {"model": mostly(st.just("tiny")), "input": mostly(texts | st.lists(responses_item, min_size=1, max_size=4))},
+    optional={"instructions": mostly(texts), "stream": mostly(st.booleans()), "previous_response_id": mostly(texts),
+              "tools": mostly(st.lists(mostly(st.fixed_dictionaries({"type": st.just("function"), "name": mostly(texts),
+                                                                     "parameters": json_values})), max_size=2)),
+              "tool_choice": mostly(st.sampled_from(["auto", "none"])),
+              "max_output_tokens": mostly(st.integers(1, 64))},
+)
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -162,6 +180,12 @@ def test_fuzzed_anthropic_bodies_get_a_4xx_with_a_message(loop, client, server, 
 
 
 @FUZZ
+@given(body=mostly(responses_body))
+def test_fuzzed_responses_bodies_get_a_4xx_with_a_message(loop, client, server, body):
+    check_refused(loop, client, server, RESPONSES, body)
+
+
+@FUZZ
 @given(body=st.binary(max_size=200))
 def test_fuzzed_bytes_get_a_4xx_with_a_message(loop, client, server, body):
     check_refused(loop, client, server, OPENAI, body)
@@ -183,8 +207,21 @@ BAD_BYTES = [
 ]
 
 
-@pytest.mark.parametrize("api", [OPENAI, ANTHROPIC])
-@pytest.mark.parametrize("body, message", BAD_BYTES)
+# The bodies that are not chat bodies, and Responses bodies with the same faults.
+RESPONSES_BAD_BYTES = [(body, message) for body, message in BAD_BYTES if b'"messages"' not in body] + [
+    (json.dumps({"model": "tiny", "input": [{"role": "user", "content": "a\ud800"}]}).encode(), "not valid unicode"),
+    (json.dumps({"model": "tiny", "input": "hi", "tools": 5}).encode(), "'tools' must be a list"),
+    (json.dumps({"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]})
+     .encode(), "content[0].text must be a string"),
+    (json.dumps({"model": "tiny", "input": [{"type": "item_reference", "id": "msg_1"}]}).encode(),
+     "input[0]: a 'item_reference' item is not supported"),
+    (json.dumps({"model": "tiny", "input": "hi", "stream": "yes"}).encode(), "stream='yes' must be true or false"),
+]
+
+
+@pytest.mark.parametrize("api, body, message", [(api, body, message) for api in (OPENAI, ANTHROPIC)
+                                                for body, message in BAD_BYTES]
+                         + [(RESPONSES, body, message) for body, message in RESPONSES_BAD_BYTES])
 def test_malformed_and_oversized_bodies_name_the_problem(loop, client, server, api, body, message):
     if isinstance(message, tuple):  # the OpenAI and the Anthropic reading differ
         message = message[api == ANTHROPIC]
@@ -359,7 +396,8 @@ def test_nothing_in_a_request_or_a_row_is_fetched_or_read(loop, client, server, 
 
 @pytest.fixture(scope="module")
 def engine_server(local_ray, loop, model_path):
-    plan = Plan(model=ModelPlan(path=model_path), rollout=RolloutPlan(max_model_len=256),
+    # seeded requests: a rollout id's first turn samples the same reply again (test_stop_sequences_...)
+    plan = Plan(model=ModelPlan(path=model_path), rollout=RolloutPlan(max_model_len=256, seed_requests=True),
                 agent=AgentPlan(max_turns=50, max_tokens_per_turn=8))
     generator = loop.run_until_complete(Generator.start(plan))
     server = ChatServer(generator, AutoTokenizer.from_pretrained(model_path), plan)
@@ -421,6 +459,85 @@ def test_concurrent_requests_never_corrupt_a_session_trace(loop, client, engine_
             check_token_identity(segment)
             assert segment.rollout_id == target.rollout_id
             assert segment.token_ids[: segment.action_mask.index(True)] in prompts
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    """The data of each server-sent event, [DONE] left out."""
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.slow
+def test_stop_sequences_cut_the_text_and_keep_every_sampled_token(loop, client, engine_server):
+    """The engine stops at a stop sequence: the agent gets the text before it (streamed here), the trace keeps
+    every sampled id, and the next turn, whose prompt holds the cut text, continues from those ids: one
+    segment, each sampled token trained once, no token the engine did not sample."""
+    server, tokenizer = engine_server, engine_server.tokenizer
+    free = server.open_session("stop", "g")
+    answer = post(loop, client, free.base_url + OPENAI, {"model": "tiny", "messages": HELLO})[1]
+    ids = free.conversation.segments[0].engine_outputs[0]
+    server.close_session(free)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert answer["choices"][0]["message"]["content"] == text
+    # a stop sequence the same (seeded) sample meets after its first token: the text of a later token
+    stop = next(piece for k in range(1, len(ids))
+                if (piece := tokenizer.decode(ids[: k + 1], skip_special_tokens=True)[
+                    len(tokenizer.decode(ids[:k], skip_special_tokens=True)):]).strip())
+    needed = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k], skip_special_tokens=True))
+
+    session = server.open_session("stop", "g")  # the same rollout id: the same seed
+    body = {"model": "tiny", "max_tokens": 8, "messages": HELLO, "stop_sequences": [stop], "stream": True}
+    events = sse(loop.run_until_complete(client.post(session.base_url + ANTHROPIC, json=body)))
+    streamed = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    final = next(e for e in events if e["type"] == "message_delta")
+    assert streamed == text[: text.index(stop)]
+    assert final["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
+    [segment] = session.conversation.segments
+    assert segment.engine_outputs == [ids[:needed]], "the engine stopped on the token completing the stop sequence"
+
+    follow_up = {"model": "tiny", "messages": HELLO + [{"role": "assistant", "content": streamed},
+                                                       {"role": "user", "content": "Go on."}], "stop": [stop, "\n"]}
+    status, answer = post(loop, client, session.base_url + OPENAI, follow_up)
+    server.close_session(session)
+    assert status == 200
+    [segment] = session.conversation.segments  # the cut text did not break the token trace
+    first_prompt = segment.token_ids[: segment.action_mask.index(True)]
+    second_start = len(first_prompt) + needed
+    assert segment.token_ids[:second_start] == first_prompt + ids[:needed]  # all sampled ids, as context now
+    assert segment.action_mask[second_start:].count(True) == len(segment.engine_outputs[1])  # trained once
+    check_token_identity(segment)
+    reply = tokenizer.decode(segment.engine_outputs[1], skip_special_tokens=True)
+    cut = min([reply.index(s) for s in (stop, "\n") if s in reply], default=len(reply))
+    assert answer["choices"][0]["message"]["content"] == reply[:cut]
+
+
+@pytest.mark.slow
+def test_responses_continue_within_their_rollout_only(loop, client, engine_server):
+    """previous_response_id continues a rollout's conversation (streamed or not, one segment); another rollout
+    cannot name it: a 400 in the API's format, and neither trace changes."""
+    server = engine_server
+    mine, other = server.open_session("responses", "g"), server.open_session("other", "g")
+    body = {"model": "tiny", "input": [{"role": "developer", "content": "Answer briefly."},
+                                       {"role": "user", "content": "What is 3 + 4?"}], "stream": True}
+    events = sse(loop.run_until_complete(client.post(mine.base_url + RESPONSES, json=body)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] in ("response.completed",
+                                                                              "response.incomplete")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    first = events[-1]["response"]["id"]
+    status, answer = post(loop, client, mine.base_url + RESPONSES,
+                          {"model": "tiny", "input": "Are you sure?", "previous_response_id": first})
+    assert status == 200 and answer["previous_response_id"] == first
+    [segment] = mine.conversation.segments
+    trace = list(segment.token_ids)
+    assert len(segment.engine_outputs) == 2
+    for session in (other, mine):
+        for resume in (first, answer["id"]):
+            status, refused = post(loop, client, session.base_url + RESPONSES, {
+                "model": "tiny", "input": "Again", "previous_response_id": resume + ("" if session is other else "x")})
+            assert status == 400 and "is not a response of this rollout" in refused["error"]["message"]
+    assert not other.conversation.segments and segment.token_ids == trace and len(mine.conversation.segments) == 1
+    server.close_session(mine)
+    server.close_session(other)
 
 
 # ---- no credentials in MLflow ----------------------------------------------------------------------------
