@@ -1,6 +1,12 @@
-"""The actor's part of a step, measured side by side on one Trainer in one invocation (issue 8).
+"""The actor's part of a step, measured side by side on one Trainer in one invocation (issues 8, 19).
 
-    .venv/bin/python benchmarks/trainer.py [--model tiny|20m] [--repeats 6]
+    .venv/bin/python benchmarks/trainer.py [--model tiny|20m] [--repeats 6] [--threads N]
+
+efficiency: `train_step` against a bare PyTorch step on the same HF model, tokens, micro-batches and
+optimizer (forward, log-softmax gather over the answer tokens, backward, grad clip, AdamW; no Ray, no FSDP,
+in this process), both on --threads torch threads (default: all cores). Molt's step is broken down into
+the ranks' forward and backward, the optimizer and collectives (the rest of the rank's time) and the Ray
+transfer and driver work (the rest of the driver's time).
 
 train: a separate old-log-prob pass and then `train_step` with those log-probs, against `train_step` taking
 them from its own forward (what the loop does with one epoch and no reference model), alternating on the
@@ -20,6 +26,7 @@ import time
 
 import ray
 import torch
+from transformers import AutoModelForCausalLM
 
 from molt.generator import pack_weights
 from molt.plan import Plan
@@ -42,16 +49,36 @@ def random_batch(rows: int, prompt: int, answer: int) -> TrainBatch:
                       rollout_ids=torch.arange(rows))
 
 
+def bare_step(model, optimizer, batch: TrainBatch, advantages: torch.Tensor, micro_batch_size: int) -> None:
+    """The same update with plain PyTorch: a policy-gradient token mean over the answer tokens."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    tokens = int(batch.action_mask.sum())
+    for rows in torch.arange(len(batch)).split(micro_batch_size):
+        ids, mask = batch.token_ids[rows], batch.action_mask[rows]
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows]).logits[:, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = -(advantages[rows][:, 1:] * logprobs * mask[:, 1:]).sum() / tokens
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
 
     path = (build_tiny("dense", os.path.join(CACHE, "tiny-dense-warm300"), 300) if args.model == "tiny"
             else model_path("20m"))
     plan = Plan()
     plan.model.path, plan.trainer.micro_batch_size, plan.trainer.lr = path, 32, 1e-6
+    plan.trainer.cpu_threads = args.threads
+    torch.set_num_threads(args.threads)
+    bare_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6)
     batch = random_batch(*SHAPES[args.model])
     scores = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(1))
     advantages = torch.where(batch.action_mask, scores, 0.0)
@@ -61,12 +88,23 @@ def main() -> None:
     try:
         batch.rollout_logprobs = trainer.logprobs(batch, 1.0)  # an engine that agrees: no token masked
         train = {"separate pass + train_step": [], "train_step alone": []}
+        efficiency = {"bare PyTorch step": [], "train_step": []}
+        parts = {"forward": [], "backward": [], "optimizer + collectives": [], "Ray transfer + driver": []}
         for _ in range(args.repeats + 1):  # the first round warms up and is left out
             for mode, seconds in train.items():
                 start = time.perf_counter()
                 old = trainer.logprobs(batch, 1.0) if mode.startswith("separate") else None
-                trainer.train_step(batch, advantages, old, batch.action_mask)
+                metrics, _ = trainer.train_step(batch, advantages, old, batch.action_mask)
                 seconds.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            bare_step(bare_model, bare_optimizer, batch, advantages, plan.trainer.micro_batch_size)
+            efficiency["bare PyTorch step"].append(time.perf_counter() - start)
+            efficiency["train_step"].append(seconds[-1])
+            rank_s = metrics["time/rank_s"]
+            parts["forward"].append(metrics["time/forward_s"])
+            parts["backward"].append(metrics["time/backward_s"])
+            parts["optimizer + collectives"].append(rank_s - metrics["time/forward_s"] - metrics["time/backward_s"])
+            parts["Ray transfer + driver"].append(seconds[-1] - rank_s)
         refit = {"driver: state_dict + pack + put": [], "Trainer.weights()": []}
         for _ in range(args.repeats):
             start = time.perf_counter()
@@ -79,8 +117,10 @@ def main() -> None:
         trainer.shutdown()
         ray.shutdown()
 
-    print(f"model={args.model} ({path}), batch {tuple(batch.token_ids.shape)}, medians of {args.repeats}:")
-    for results in (train, refit):
+    print(f"model={args.model} ({path}), batch {tuple(batch.token_ids.shape)}, {args.threads} threads, "
+          f"medians of {args.repeats}:")
+    print("  " + ", ".join(f"{name} {statistics.median(s[-args.repeats:]):.3f} s" for name, s in parts.items()))
+    for results in (efficiency, train, refit):
         medians = {name: statistics.median(seconds[-args.repeats:]) for name, seconds in results.items()}
         (before_name, before), (now_name, now) = medians.items()
         print(f"  {before_name} {before:.3f} s, {now_name} {now:.3f} s: x{before / now:.2f}")

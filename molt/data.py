@@ -262,7 +262,7 @@ def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> 
         raise ValueError(f"split={split!r}: use 'train' or 'eval'")
     path = plan.data.train_path if split == "train" else plan.data.eval_path
     if path is not None:
-        numbered, source = _read_lines(path), path
+        numbered, source = read_lines(path), path
     elif hasattr(agent_module, "dataset"):
         numbered = list(enumerate(agent_module.dataset(split, size, plan.seed), start=1))
         source = f"{agent_module.__name__}.dataset"
@@ -277,7 +277,7 @@ def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> 
         where = f"{source} row {number}"
         try:
             if isinstance(row, bytes):  # a line of the JSONL file
-                row = _parse_line(row, where)
+                row = parse_line(row, where)
             messages, tools = validate_row(row, where)  # images decoded once
             if message_images(messages) and not plan.model.multimodal:
                 raise DataError(f"{where}: field 'messages' has images, but model={plan.model.name} is not "
@@ -305,7 +305,7 @@ def load_dataset(plan: Plan, agent_module, tokenizer, split: str, size: int) -> 
     return kept
 
 
-def _read_lines(path: str) -> list[tuple[int, bytes]]:
+def read_lines(path: str) -> list[tuple[int, bytes]]:
     """The non-blank lines of a JSONL file with their line numbers."""
     try:
         with open(path, "rb") as f:
@@ -314,7 +314,7 @@ def _read_lines(path: str) -> list[tuple[int, bytes]]:
         raise DataError(f"cannot read dataset file {path}: {e.strerror}") from None
 
 
-def _parse_line(line: bytes, where: str) -> Any:
+def parse_line(line: bytes, where: str) -> Any:
     try:
         return json.loads(line.decode("utf-8"))
     except UnicodeDecodeError:

@@ -225,6 +225,10 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         stack.push_async_callback(generator.shutdown)
         trainer = Trainer(plan, placement=placement.policy)
         stack.callback(trainer.shutdown)
+        if plan.parallel.device == "cpu":  # chosen, not implied by Ray's CPU shares: say what they are
+            print(f"molt: each policy rank trains on {trainer.threads[0]} torch threads (trainer.cpu_threads); the engine's "
+                  f"OpenMP threads bind to {plan.rollout.cpu_omp_threads_bind} (rollout.cpu_omp_threads_bind)",
+                  file=sys.stderr)
         reference = Trainer(plan, trainable=False, placement=placement.reference) if plan.reference.enabled else None
         critic = Critic(plan, placement=placement.critic) if plan.critic.enabled else None
         for actor_group in (reference, critic):

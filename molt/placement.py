@@ -11,6 +11,7 @@ per engine and per rank, so every actor lands on the node the layout gave it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import ray
@@ -31,6 +32,19 @@ def rank_resources(plan: Plan) -> dict[str, float]:
     if plan.parallel.device == "cuda":
         return {"num_cpus": 1, "num_gpus": 1}
     return {"num_cpus": RANK_CPUS_ON_CPU, "num_gpus": 0}
+
+
+def rank_threads(plan: Plan) -> int:
+    """Torch threads of one actor rank on CPU, set explicitly (Ray would give a rank of num_cpus=0.5 one):
+    trainer.cpu_threads, else chosen by measurement (benchmarks/loop.py schedules, 2 cores, README). When
+    generation and training take turns (schedule.queue_depth=1) a rank trains on all of its node's cores
+    while the engine waits; when they overlap, each engine keeps a core and the ranks share the rest (a
+    second thread beside a generating engine made async steps 1.6x slower)."""
+    if plan.trainer.cpu_threads:
+        return plan.trainer.cpu_threads
+    nodes = plan.parallel.nodes
+    cores = (os.cpu_count() or 1) - (math.ceil(plan.rollout.engines / nodes) if plan.schedule.queue_depth > 1 else 0)
+    return max(1, cores // math.ceil(plan.parallel.actor_ranks / nodes))
 
 
 def engine_resources(plan: Plan) -> dict[str, float]:

@@ -189,6 +189,8 @@ class TrainerPlan:
     grad_clip: float = 1.0
     optimizer_offload: bool = False
     gradient_checkpointing: bool = False
+    # torch threads of each actor rank on CPU; None = chosen from the schedule (molt/placement.py rank_threads)
+    cpu_threads: Optional[int] = None
 
 
 @dataclass

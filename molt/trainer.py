@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from molt import losses, routing
 from molt.generator import pack_weights
-from molt.placement import rank_resources
+from molt.placement import rank_resources, rank_threads
 from molt.plan import Plan, TrainerPlan
 from molt.trace import IMAGE_INPUTS, TrainBatch
 
@@ -219,10 +219,13 @@ class PolicyWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, master_addr: str, master_port: int) -> int:
+        """Join the process group and load the model; returns the rank's torch thread count."""
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Ray shows each actor only its own GPU
+        else:
+            torch.set_num_threads(rank_threads(self.plan))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         torch.manual_seed(self.plan.seed)
@@ -235,7 +238,7 @@ class PolicyWorker:
         self.routers = self._hook_routers()
         if not self.trainable:
             self.model.eval()
-            return
+            return torch.get_num_threads()
         cfg = self.plan.trainer
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -246,6 +249,7 @@ class PolicyWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, cfg, total_steps)
         )
+        return torch.get_num_threads()
 
     def _hook_routers(self) -> Optional[routing.RouterHooks]:
         """Hooks on the MoE routers (None for a dense model or a critic); freezes them for model.freeze_router.
@@ -310,6 +314,7 @@ class PolicyWorker:
         """Returns (dp rank, the old log-probs of this rank's rows if it computed them, metrics). Without
         data["old_logprobs"] (one epoch only) they are this forward's own, detached: the weights do not
         change before the optimizer step at the end."""
+        started = time.perf_counter()
         plan = self.plan
         shard = self._shard(data)
         own_old_logprobs = []
@@ -393,6 +398,7 @@ class PolicyWorker:
             "optimizer_steps": self.scheduler.last_epoch,
             "time/forward_s": forward_s,
             "time/backward_s": backward_s,
+            "time/rank_s": time.perf_counter() - started,  # the rest is the optimizer and collectives
         }
 
     def _moe_terms(self, mb: dict, share: float, add) -> Tensor:
@@ -522,7 +528,7 @@ class Trainer:
         ]
         try:
             address, port = ray.get(self.workers[0].master_address.remote())
-            ray.get([w.setup.remote(address, port) for w in self.workers])
+            self.threads = ray.get([w.setup.remote(address, port) for w in self.workers])  # per rank
         except Exception:
             self.shutdown(graceful=False)  # a failed start must not leave ranks holding CPUs or GPUs
             raise

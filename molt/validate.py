@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from molt.agent import FORMS, load_agent
-from molt.data import DataError, _parse_line, _read_lines, validate_row
+from molt.data import DataError, parse_line, read_lines, validate_row
 from molt.estimators import (CRITIC_ESTIMATORS, ESTIMATORS, FILTER_CRITERIA, GROUP_ESTIMATORS,
                              KL_REWARD_ESTIMATORS, TEACHER_ESTIMATORS)
 from molt.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -101,6 +101,7 @@ RANGES = {
     "trainer.warmup_steps": "[0, inf)",
     "trainer.weight_decay": "[0, inf)",
     "trainer.grad_clip": "[0, inf)",  # 0 = no clipping
+    "trainer.cpu_threads": "[1, inf)",
     "checkpoint.every": "[0, inf)",  # 0 = only at the end
     "checkpoint.keep": "[0, inf)",  # 0 = keep all
     "logger.eval_every": "[0, inf)",  # 0 = never
@@ -472,7 +473,7 @@ def check_inputs(plan: Plan) -> list[str]:
 def _data_file_problem(path: str, bad_rows: str) -> str | None:
     """What is wrong with the JSONL file at `path`, judged on its first rows with molt/data.py's row checks."""
     try:
-        lines = _read_lines(path)
+        lines = read_lines(path)
     except DataError as e:
         return f"{e}; set it to a JSONL file of chat rows (or null for the agent's built-in task)"
     if not lines:
@@ -481,7 +482,7 @@ def _data_file_problem(path: str, bad_rows: str) -> str | None:
     for number, line in lines[:DATA_ROWS_CHECKED]:
         where = f"row {number}"
         try:
-            validate_row(_parse_line(line, where), where)
+            validate_row(parse_line(line, where), where)
         except DataError as e:
             errors.append(str(e))
     if errors and bad_rows == "error":

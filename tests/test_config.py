@@ -272,3 +272,17 @@ def test_hydra_cfg_job_still_works():
     result = run_cli("--cfg", "job")
     assert result.returncode == 0, result.stderr
     assert "estimator:" in result.stdout
+
+
+def test_actor_rank_threads_follow_the_schedule(monkeypatch):
+    """Measured on 2 cores (README, Performance): a rank takes every core when generation and training take
+    turns, and leaves the engine its core when they overlap."""
+    from molt.placement import rank_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert rank_threads(compose_plan("schedule=sync")) == 8
+    assert rank_threads(compose_plan("schedule=async")) == 7
+    assert rank_threads(compose_plan("schedule=async", "rollout.engines=2", "parallel.actor_ranks=2")) == 3
+    assert rank_threads(compose_plan("schedule=async", "trainer.cpu_threads=5")) == 5
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert rank_threads(compose_plan("schedule=async", "rollout.engines=2")) == 1  # never 0

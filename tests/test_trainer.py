@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt.critic import Critic
+from molt.placement import rank_threads
 from molt.plan import Plan
 from molt.tiny import build_tiny
 from molt.trace import TrainBatch
@@ -94,10 +95,12 @@ def test_bad_settings_fail_early(tiny):
 def test_logprobs_and_update_direction(tiny):
     """Log-probabilities equal an HF forward at T=1 and T=0.7; one call is one optimizer step that raises
     positive-advantage tokens, lowers negative ones, and lowers the loss on the same batch."""
-    trainer = Trainer(make_plan(tiny["dense"]))
+    plan = make_plan(tiny["dense"])
+    trainer = Trainer(plan)
     batch = make_batch()
     reference = hf_model(tiny["dense"])
     try:
+        assert trainer.threads == [rank_threads(plan)]  # set explicitly, not Ray's one thread for num_cpus=0.5
         for temperature in (1.0, 0.7):
             expected = hf_logprobs(reference, batch, temperature)
             torch.testing.assert_close(trainer.logprobs(batch, temperature), expected, rtol=0, atol=1e-5)
