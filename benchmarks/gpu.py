@@ -12,8 +12,11 @@ on a machine without a GPU.
 2. generator: the same requests through Molt's Generator (the engine in a Ray actor): tokens/s, / bare.
 3. loop: `molt.loop.train` for a few steps (the default async schedule); from its steps.jsonl the step time
    and its stages, trained tokens/s per GPU and the refit time. Skipped, with the reason, when the plan
-   needs more GPUs than this machine has (one for the actor rank and one for the engine). The refit goes
-   through host memory (molt/refit_worker.py), on GPU too.
+   needs more GPUs than this machine has (one for the actor rank and one for the engine).
+2b. refit: this process broadcasts an updated copy of the model to the engine of part 2 over the refit
+   group (molt/refit_worker.py): from the last GPU, so with two or more GPUs the engine is on another one and
+   the group uses NCCL; with one GPU they share it and the group goes through host memory (gloo). Prints the
+   backend, the seconds per refit and the engine's log-prob mismatch against the updated model.
 
 Every number is printed when it is known. The run ends within --budget-s: a part that cannot fit any more
 is skipped with a note, and one still running when the time is up is stopped and its partial results printed.
@@ -182,9 +185,67 @@ async def through_generator(plan, prompts: list[list[int]], setting: dict, gpus:
         return sum(lengths), time.perf_counter() - started, statistics.mean(lengths)
 
     try:
-        return await measure(batch, setting["batches"], gpus, deadline)
+        rate = await measure(batch, setting["batches"], gpus, deadline)
+        print("\n2b. refit", flush=True)
+        await refit_from_here(plan, generator, prompts[:16], max_tokens)
+        return rate
     finally:
         await generator.shutdown()
+
+
+async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens: int, refits: int = 3) -> None:
+    """Part 2b: this process is the refit group's sender (as trainer rank 0 is in the loop)."""
+    from transformers import AutoModelForCausalLM
+
+    from molt.refit_worker import RefitGroup, join, send
+
+    device = torch.device("cpu")
+    if plan.parallel.device == "cuda":
+        device = torch.device("cuda", torch.cuda.device_count() - 1)
+        torch.cuda.set_device(device)
+    model = AutoModelForCausalLM.from_pretrained(plan.model.path, dtype=getattr(torch, plan.rollout.dtype))
+    model = model.to(device).eval()
+
+    async def mismatch() -> float:
+        """The largest |engine - model| log-prob of sampled tokens, at temperature 1."""
+        samples = await asyncio.gather(*(
+            generator.generate(p, max_tokens=max_tokens, temperature=1.0, top_p=1.0, top_k=-1) for p in prompts))
+        worst = 0.0
+        with torch.no_grad():
+            for prompt, sample in zip(prompts, samples):
+                ids = torch.tensor([prompt + sample.token_ids], device=device)
+                logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+                mine = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0].cpu()
+                worst = max(worst, (mine - torch.tensor(sample.logprobs)).abs().max().item())
+        return worst
+
+    print(f"  engine vs this model before any refit (same weights): {await mismatch():.2e}", flush=True)
+    joined = {}
+
+    async def join_here(group):
+        joined["group"] = group
+        return await asyncio.to_thread(join, group, 0, device)
+
+    started = time.perf_counter()
+    pg = await generator.connect_refit(RefitGroup.offer(model.state_dict().items(), device, timeout_s=120), join_here)
+    group = joined["group"]
+    print(f"  group: {group.backend}, {group.world_size} ranks, sender on {device}, formed in "
+          f"{time.perf_counter() - started:.2f} s; {sum(group.sizes()) / 1e6:.0f} MB per refit", flush=True)
+    seconds = []
+    for version in range(1, refits + 1):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1 + 0.05 * torch.randn_like(parameter))
+        started = time.perf_counter()
+        await generator.pause(keep_requests=False)
+        await generator.update_weights(
+            version, lambda: asyncio.to_thread(send, pg, group, model.state_dict().items(), device))
+        await generator.resume()
+        seconds.append(time.perf_counter() - started)
+    print(f"  refit (pause, broadcast + load, resume): median {statistics.median(seconds):.3f} s of {refits}, "
+          f"{sum(group.sizes()) / 1e9 / statistics.median(seconds):.2f} GB/s", flush=True)
+    print(f"  engine vs the updated model after the refit: {await mismatch():.2e} "
+          f"(engine {plan.rollout.dtype}; before: the same-weights number above)", flush=True)
 
 
 def loop(plan, gpus: int) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/loop.py schedules [--setting default|long] [--steps 20] [--repeats 1]
                                                   [--schedules sync,async,partial_rollout] [--candidate DIR]
-    .venv/bin/python benchmarks/loop.py refit [--refits 10]
+    .venv/bin/python benchmarks/loop.py refit [--refits 10] [--models dense,moe,20m]
     .venv/bin/python benchmarks/loop.py startup [--repeats 2]
 
 schedules: `molt-run` (fresh process each) under schedule=sync, async and partial_rollout, then the bare vLLM
@@ -12,7 +12,8 @@ the share of step time outside generation and actor compute, and the peak memory
 `--setting long` uses the untrained tiny model, whose answers run to agent.max_tokens_per_turn=64.
 `--candidate DIR` runs every schedule also with the molt sources of DIR (a modified copy of the repository),
 interleaved, and prints candidate/current ratios: how a proposed change to the loop is measured.
-refit: each refit stage (state dict, pause, update, resume) and the bytes moved, dense and MoE.
+refit: seconds per refit (trainer rank 0 gathers and broadcasts over the refit group, molt/refit_worker.py),
+the bytes moved, and rank 0's extra memory, for the tiny dense and MoE models and the ~20M model.
 startup: where the time from launch to the first optimizer step goes, and engine + trainer started together.
 
 Absolute times drift on a shared machine; compare the columns of one invocation.
@@ -368,45 +369,61 @@ def compare_schedules(args) -> None:
 
 # ---- refit ----
 
-async def refit_main(refits: int) -> None:
+async def refit_main(refits: int, models: list[str]) -> None:
     import ray
 
     from molt.generator import Generator
+    from molt.loop import refit
     from molt.plan import ModelPlan, Plan
     from molt.tiny import build_tiny
     from molt.trainer import Trainer
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    print(f"{'':10}{'MB moved':>10}{'weights':>9}{'pause':>9}{'update':>9}{'resume':>9}{'total':>9}"
-          f"  (median s of {refits} refits, no requests in flight)")
+    print(f"{'':8}{'MB':>8}{'connect s':>11}{'refit s':>9}{'GB/s':>7}{'rank 0 +MB':>12}"
+          f"  (median of {refits} refits: pause, gather + broadcast + load, resume; no requests in flight)")
     try:
-        for kind in ("dense", "moe"):
-            path = build_tiny(kind, os.path.join(CACHE, f"tiny-{kind}"))
-            plan = Plan(model=ModelPlan(path=path, tiny=kind, moe=kind == "moe"))
+        for name in models:
+            if name == "20m":
+                from trl_peer import model_path  # builds it once
+
+                model = ModelPlan(path=model_path("20m"), tiny=None)
+            else:
+                model = ModelPlan(path=build_tiny(name, os.path.join(CACHE, f"tiny-{name}")), tiny=name,
+                                  moe=name == "moe")
+            plan = Plan(model=model)
             generator = await Generator.start(plan)
             trainer = Trainer(plan)
-            times = {k: [] for k in ("weights", "pause", "update", "resume", "total")}
             try:
+                rank0 = psutil.Process(ray.get(trainer.workers[0].__ray_call__.remote(lambda self: os.getpid())))
+                start = time.perf_counter()
+                group = trainer.refit_offer()
+                await generator.connect_refit(group, lambda g: asyncio.to_thread(trainer.join_refit, g))
+                connect_s = time.perf_counter() - start
+                seconds, extra = [], []
                 for version in range(1, refits + 1):
-                    t0 = time.perf_counter()
-                    payload = trainer.weights()
-                    ray.wait([payload])
-                    t1 = time.perf_counter()
-                    await generator.pause(keep_requests=False)
-                    t2 = time.perf_counter()
-                    await generator.update_weights(payload, version)
-                    t3 = time.perf_counter()
-                    await generator.resume()
-                    t4 = time.perf_counter()
-                    for key, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
-                        times[key].append(seconds)
-                megabytes = len(ray.get(payload)) / 1e6
+                    before, peak = rank0.memory_info().rss, [0]
+                    done = threading.Event()
+
+                    def watch() -> None:  # rank 0's resident memory, every 5 ms
+                        while not done.wait(0.005):
+                            peak[0] = max(peak[0], rank0.memory_info().rss)
+
+                    watcher = threading.Thread(target=watch)
+                    watcher.start()
+                    start = time.perf_counter()
+                    await refit(generator, trainer, version, keep_requests=False)
+                    seconds.append(time.perf_counter() - start)
+                    done.set()
+                    watcher.join()
+                    extra.append(max(0, peak[0] - before) / 1e6)
             finally:
                 trainer.shutdown()
                 await generator.shutdown()
-            print(f"{kind:10}{megabytes:>10.2f}" + "".join(f"{statistics.median(v):>9.3f}" for v in times.values()))
-        print("weights = the trainer's state dict gathered and packed in its rank 0, in Ray's object store;"
-              " update = the engines read and load it")
+            megabytes, median = sum(group.sizes()) / 1e6, statistics.median(seconds)
+            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}{megabytes / 1e3 / median:>7.2f}"
+                  f"{statistics.median(extra):>12.1f}", flush=True)
+        print("connect = the refit group formed once (rendezvous, metadata); refit = the loop's refit; rank 0 +MB ="
+              " its peak resident memory during a refit above that before it")
     finally:
         ray.shutdown()
 
@@ -518,8 +535,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, sync first")
     p.add_argument("--candidate", help="a modified copy of the repository: every schedule runs with both")
-    p = commands.add_parser("refit", help="refit stages and bytes, dense and MoE")
+    p = commands.add_parser("refit", help="seconds per refit, bytes and rank 0's memory, dense, MoE and 20M")
     p.add_argument("--refits", type=int, default=10)
+    p.add_argument("--models", default="dense,moe,20m")
     p = commands.add_parser("startup", help="launch -> first optimizer step, and where it goes")
     p.add_argument("--repeats", type=int, default=2)
     p = commands.add_parser("bare")  # internal: the bare engine for one run directory
@@ -532,7 +550,7 @@ def main() -> None:
     if args.command == "schedules":
         compare_schedules(args)
     elif args.command == "refit":
-        asyncio.run(refit_main(args.refits))
+        asyncio.run(refit_main(args.refits, args.models.split(",")))
     elif args.command == "startup":
         startup(args)
     elif args.command == "bare":

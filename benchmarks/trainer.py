@@ -12,8 +12,7 @@ train: a separate old-log-prob pass and then `train_step` with those log-probs, 
 them from its own forward (what the loop does with one epoch and no reference model), alternating on the
 same batch of random tokens shaped like the loop's (tiny: 128 rows of 40 tokens, 8 of them answer; 20m: 32
 rows of 64 + 128).
-refit payload: `Trainer.weights()` (gathered and packed in rank 0, left in Ray's object store) against the
-driver fetching `state_dict()`, packing it and putting it in the object store itself (the loop before).
+The refit is measured by `benchmarks/loop.py refit` (it needs an engine to broadcast to).
 One actor rank, nothing else running: the loop's numbers also carry the engine sharing the machine.
 """
 
@@ -28,7 +27,6 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from molt.generator import pack_weights
 from molt.plan import Plan
 from molt.tiny import build_tiny
 from molt.trace import TrainBatch
@@ -105,14 +103,6 @@ def main() -> None:
             parts["backward"].append(metrics["time/backward_s"])
             parts["optimizer + collectives"].append(rank_s - metrics["time/forward_s"] - metrics["time/backward_s"])
             parts["Ray transfer + driver"].append(seconds[-1] - rank_s)
-        refit = {"driver: state_dict + pack + put": [], "Trainer.weights()": []}
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            ray.wait([trainer.weights()])
-            refit["Trainer.weights()"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            ray.put(pack_weights(trainer.state_dict()))
-            refit["driver: state_dict + pack + put"].append(time.perf_counter() - start)
     finally:
         trainer.shutdown()
         ray.shutdown()
@@ -120,7 +110,7 @@ def main() -> None:
     print(f"model={args.model} ({path}), batch {tuple(batch.token_ids.shape)}, {args.threads} threads, "
           f"medians of {args.repeats}:")
     print("  " + ", ".join(f"{name} {statistics.median(s[-args.repeats:]):.3f} s" for name, s in parts.items()))
-    for results in (efficiency, train, refit):
+    for results in (efficiency, train):
         medians = {name: statistics.median(seconds[-args.repeats:]) for name, seconds in results.items()}
         (before_name, before), (now_name, now) = medians.items()
         print(f"  {before_name} {before:.3f} s, {now_name} {now:.3f} s: x{before / now:.2f}")

@@ -8,21 +8,21 @@ rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
 Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API with the
-backend in molt/refit_worker.py (the weights travel through host memory, on CPU and GPU alike).
+backend in molt/refit_worker.py: the sender (trainer rank 0) broadcasts to every engine worker over one
+process group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs).
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
+import dataclasses
 import os
 import sys
 import uuid
 import zlib
-from typing import Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import ray
-import torch
 
 from molt.placement import engine_resources
 from molt.plan import Plan, RolloutPlan
@@ -73,15 +73,6 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int
     return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
 
 
-def pack_weights(named_tensors: dict[str, torch.Tensor]) -> bytes:
-    """The refit payload that the engines' weight-transfer backend loads (molt/refit_worker.py): torch.save
-    bytes of the whole model's tensors on CPU, in HF naming (as `model.state_dict()` names them, fused MoE
-    experts included)."""
-    buffer = io.BytesIO()
-    torch.save({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors.items()}, buffer)
-    return buffer.getvalue()
-
-
 @ray.remote
 class RolloutEngine:
     """One vLLM `AsyncLLM` in its own Ray actor process."""
@@ -94,6 +85,24 @@ class RolloutEngine:
 
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
         await self.llm.update_weight_version("0")  # vLLM labels the loaded weights "default"
+
+    async def gpus(self) -> list[Optional[str]]:
+        """The GPU UUID of each of this engine's workers (None on CPU), one per rank it takes in the refit
+        group: TP x PP x DP."""
+        parallel = self.llm.vllm_config.parallel_config
+        uuids = await self.llm.collective_rpc("gpu_uuid")
+        if len(uuids) != parallel.world_size * parallel.data_parallel_size:  # would shift every later rank
+            raise RuntimeError(f"{len(uuids)} workers answered, the engine has "
+                               f"{parallel.world_size} x {parallel.data_parallel_size}")
+        return uuids
+
+    async def connect_refit(self, group) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dataclasses.asdict(group)))
+
+    async def is_paused(self) -> bool:
+        return await self.llm.is_paused()
 
     async def generate(
         self,
@@ -152,13 +161,12 @@ class RolloutEngine:
         # ones. "wait" lets in-flight requests finish on the old weights first.
         await self.llm.pause_generation(mode="keep" if keep_requests else "wait", clear_cache=True)
 
-    async def update_weights(self, payload: bytes, version: int) -> None:
+    async def update_weights(self, version: int) -> None:
+        """Receive a refit from the group's sender (it must be sending) and label the weights `version`."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        if not await self.llm.is_paused():
-            raise RuntimeError("update_weights needs a paused engine: call pause() first")
         await self.llm.start_weight_update()
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info={"payload": payload}))
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info={}))
         await self.llm.finish_weight_update(weight_version=str(version))
 
     async def resume(self) -> None:
@@ -213,6 +221,7 @@ class Generator:
         # engine in one Ray call: on short answers a Ray call per request costs more than the generation.
         self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
         self.calls: set[asyncio.Task] = set()  # the batched Ray calls in flight (asyncio keeps weak references)
+        self.refit_connected = False
 
     @classmethod
     async def start(cls, plan: Plan, placement: Optional[list] = None) -> "Generator":
@@ -288,12 +297,36 @@ class Generator:
         the next weights; otherwise they run to completion on the current ones before this returns."""
         await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
 
-    async def update_weights(self, payload: bytes | ray.ObjectRef, version: int) -> None:
-        """Load the whole model into every engine and label it `version`. `payload` is `pack_weights` of
-        the state dict, or a Ray reference to it (`Trainer.weights`). Engines must be paused."""
-        if isinstance(payload, bytes):
-            payload = ray.put(payload)  # one copy in the object store, shared by all engines
-        await asyncio.gather(*(e.update_weights.remote(payload, version) for e in self.engines))
+    async def connect_refit(self, group, join: Callable[[Any], Awaitable]) -> Any:
+        """Form the refit group (molt/refit_worker.py) once: `group` is the sender's `RefitGroup.offer`,
+        `join(group)` makes the sender join as rank 0; each engine's workers join after it. Returns what
+        `join` returned. The backend follows rollout.weight_transfer and where the ranks run."""
+        from molt.refit_worker import refit_backend
+
+        gpus = await asyncio.gather(*(e.gpus.remote() for e in self.engines))  # fails fast on a dead engine
+        group = dataclasses.replace(
+            group,
+            world_size=1 + sum(map(len, gpus)),
+            backend=refit_backend(group.backend, group.sender_gpu, [gpu for engine in gpus for gpu in engine]),
+        )
+        offsets = [1 + sum(map(len, gpus[:i])) for i in range(len(gpus))]
+        # Every rank blocks in the rendezvous until all have arrived: start them together.
+        joined = await asyncio.gather(join(group), *(
+            e.connect_refit.remote(dataclasses.replace(group, rank_offset=offset))
+            for e, offset in zip(self.engines, offsets)
+        ))
+        self.refit_connected = True
+        return joined[0]
+
+    async def update_weights(self, version: int, send: Callable[[], Awaitable]) -> None:
+        """Broadcast new weights into every (paused) engine and label them `version`. `send()` starts the
+        sender's half (rank 0 of the refit group); it runs together with the engines' receive, since each
+        bucket's broadcast waits for all ranks."""
+        if not self.refit_connected:
+            raise RuntimeError("update_weights needs the refit group: call connect_refit() first")
+        if not all(await asyncio.gather(*(e.is_paused.remote() for e in self.engines))):
+            raise RuntimeError("update_weights needs paused engines: call pause() first")
+        await asyncio.gather(send(), *(e.update_weights.remote(version) for e in self.engines))
 
     async def resume(self) -> None:
         await asyncio.gather(*(e.resume.remote() for e in self.engines))

@@ -446,10 +446,13 @@ async def refit(generator: Generator, trainer: Trainer, version: int, keep_reque
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
     the version it was sampled under; otherwise in-flight requests finish on the old weights first.
     """
-    weights = await asyncio.to_thread(trainer.weights)
+    if not generator.refit_connected:  # the first refit forms the broadcast group (molt/refit_worker.py)
+        group = await asyncio.to_thread(trainer.refit_offer)
+        await generator.connect_refit(group, lambda group: asyncio.to_thread(trainer.join_refit, group))
     await generator.pause(keep_requests=keep_requests)
     try:
-        await generator.update_weights(weights, version)
+        # the trainer gathers and broadcasts while the engines receive: both sides wait on each bucket
+        await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
     finally:
         await generator.resume()
 

@@ -57,8 +57,10 @@ class RolloutPlan:
     enforce_eager: bool = True
     max_model_len: int = 512
     logprobs_mode: str = "processed_logprobs"  # processed_logprobs | raw_logprobs
-    # auto | cpu: through host memory (molt/refit_worker.py), on GPU too; nccl: not written yet (refused)
+    # Refit: trainer rank 0 broadcasts to every engine worker (molt/refit_worker.py). auto: NCCL between GPUs,
+    # gloo through host memory on CPU or when an engine worker shares rank 0's GPU; gloo: host memory always.
     weight_transfer: str = "auto"
+    refit_timeout_s: float = 300.0  # longest wait of one refit collective: a dead peer is an error after it
     samples_per_prompt: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

@@ -18,7 +18,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import ray
 import torch
@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,7 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from molt import losses, routing
-from molt.generator import pack_weights
 from molt.placement import rank_resources, rank_threads
 from molt.plan import Plan, TrainerPlan
 from molt.trace import IMAGE_INPUTS, TrainBatch
@@ -130,15 +130,16 @@ NATIVE_EXPERTS = {
 }
 
 
+def _rename_expert(name: str, tensor: Tensor, names: dict[str, str]) -> tuple[str, Tensor]:
+    """Rename an expert tensor by `names` (suffix -> suffix) and swap its last two dimensions."""
+    for old, new in names.items():
+        if name.endswith(old):
+            return name[: -len(old)] + new, tensor.transpose(1, 2).contiguous()
+    return name, tensor
+
+
 def _rename_experts(state: dict[str, Tensor], names: dict[str, str]) -> dict[str, Tensor]:
-    """Rename the expert tensors by `names` (suffix -> suffix) and swap their last two dimensions."""
-    renamed = {}
-    for name, tensor in state.items():
-        for old, new in names.items():
-            if name.endswith(old):
-                name, tensor = name[: -len(old)] + new, tensor.transpose(1, 2).contiguous()
-        renamed[name] = tensor
-    return renamed
+    return dict(_rename_expert(name, tensor, names) for name, tensor in state.items())
 
 
 def _is_native(model) -> bool:
@@ -442,9 +443,53 @@ class PolicyWorker:
             return None
         return hf_layout(state) if _is_native(self.model) else state
 
-    def packed_state_dict(self) -> Optional[bytes]:
-        state = self.state_dict()
-        return None if state is None else pack_weights(state)
+    def _engine_tensors(self, gather: bool = True) -> Iterator[tuple[str, Tensor]]:
+        """The policy's tensors as the engines load them (HF names and layouts; a tied parameter once), one at
+        a time. gather: each is all-gathered from its shards just before it is yielded (a collective: every
+        rank iterates, in the same order), so no rank ever holds a second copy of the model; otherwise meta
+        tensors of the full shapes. vLLM loads transformers-5's fused MoE experts as they are."""
+        # Later names of a parameter (a tied lm_head) are skipped; the same on every rank, as the modules are.
+        first, tied = set(), set()
+        for name, parameter in self.model.named_parameters(remove_duplicate=False):
+            if id(parameter) in first:
+                tied.add(name)
+            first.add(id(parameter))
+        native = _is_native(self.model)
+        for name, tensor in get_model_state_dict(self.model).items():  # sharded: no copy
+            if name in tied:
+                continue
+            if gather:
+                if isinstance(tensor, DTensor):  # offloaded shards sit in host memory: gather on the rank's device
+                    tensor = tensor.to(self.device).full_tensor()
+            else:
+                tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            yield _rename_expert(name, tensor, NATIVE_EXPERTS) if native else (name, tensor)
+
+    def refit_offer(self):
+        """Rank 0: the RefitGroup it offers the engines (a port to join it on, the names, dtypes and shapes
+        every refit sends)."""
+        from molt.refit_worker import RefitGroup
+
+        ro = self.plan.rollout
+        return RefitGroup.offer(self._engine_tensors(gather=False), self.device, backend=ro.weight_transfer,
+                                timeout_s=ro.refit_timeout_s)
+
+    def join_refit(self, group) -> None:
+        """Rank 0: join the refit group as its sender (with the engines, see Generator.connect_refit)."""
+        from molt.refit_worker import join
+
+        self.refit_group, self.refit_pg = group, join(group, rank=0, device=self.device)
+
+    def send_weights(self) -> None:
+        """Every rank's part of a refit: gather the tensors one by one; rank 0 broadcasts them to the engines."""
+        tensors = self._engine_tensors()
+        if self.rank != 0:
+            for _ in tensors:  # this rank's share of each all-gather
+                pass
+            return
+        from molt.refit_worker import send
+
+        send(self.refit_pg, self.refit_group, tensors, self.device)
 
     def save(self, path: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -615,12 +660,19 @@ class Trainer:
         tensors on disk; transformers.core_model_loading.revert_weight_conversion maps it back."""
         return ray.get([w.state_dict.remote() for w in self.workers])[0]
 
-    def weights(self) -> ray.ObjectRef:
-        """The refit payload (`pack_weights` of `state_dict()`), left in Ray's object store: the engines read
-        it from there, the driver never holds the weights."""
-        packed = [w.packed_state_dict.remote() for w in self.workers]
-        ray.get(packed[1:])  # the other ranks' part of the gather; they return None
-        return packed[0]
+    def refit_offer(self):
+        """The RefitGroup rank 0 offers the engines (Generator.connect_refit)."""
+        return ray.get(self.workers[0].refit_offer.remote())
+
+    def join_refit(self, group) -> None:
+        """Rank 0 joins the refit group; call together with the engines (Generator.connect_refit)."""
+        ray.get(self.workers[0].join_refit.remote(group))
+
+    def send_weights(self) -> None:
+        """Broadcast the policy's weights to the refit group; call together with the engines' receive
+        (Generator.update_weights)."""
+        self._require_trainable("send weights")
+        ray.get([w.send_weights.remote() for w in self.workers])
 
     def save(self, root: str, extra: dict) -> str:
         """Write a distributed checkpoint of model, optimizer, scheduler and RNG plus the JSON `extra` to

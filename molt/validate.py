@@ -27,7 +27,9 @@ CHOICES = {
     "parallel.attention": ("sdpa", "flash", "te"),  # as molt/trainer.py ATTENTION
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.logprobs_mode": ("processed_logprobs", "raw_logprobs"),
-    "rollout.weight_transfer": ("auto", "nccl", "cpu"),
+    # auto: NCCL between GPUs, else gloo through host memory (molt/refit_worker.py refit_backend); gloo: always
+    # through host memory. No "nccl": auto takes it wherever it can work (two ranks on one GPU cannot).
+    "rollout.weight_transfer": ("auto", "gloo"),
     "agent.form": tuple(FORMS),
     "data.bad_rows": ("error", "skip"),
     "estimator.name": tuple(ESTIMATORS),
@@ -64,6 +66,7 @@ RANGES = {
     "rollout.top_p": "(0, 1]",
     "rollout.top_k": "[-1, inf)",  # -1 or 0 = off
     "rollout.cpu_reserved_cores": "[0, inf)",
+    "rollout.refit_timeout_s": "(0, inf)",
     "agent.max_turns": "[1, inf)",
     "agent.max_tokens_per_turn": "[1, inf)",
     "agent.timeout_s": "(0, inf)",
@@ -331,11 +334,6 @@ def validate(plan: Plan) -> list[str]:
         not (par.cp_size > 1 and par.sequence_packing),
         "parallel.sequence_packing=true with parallel.cp_size > 1: packed batches under context parallel are "
         "not supported; set parallel.sequence_packing=false",
-    )
-    need(
-        ro.weight_transfer != "nccl",
-        "rollout.weight_transfer=nccl: the trainer side of vLLM's NCCL weight transfer is not written yet; use "
-        "auto (the weights travel through host memory, on GPU too)",
     )
 
     # Forward consistency: MoE routing and multimodal inputs.

@@ -140,7 +140,7 @@ RULES = [
     (["parallel=fsdp8", "trainer.groups_per_step=1", "rollout.samples_per_prompt=4", "trainer.micro_batch_size=1"], ["trainer.groups_per_step=2"], "data-parallel size"),
     (["parallel.tp_size=2", "parallel.actor_ranks=2"], ["parallel.tp_size=1"], "parallel.tp_size"),
     (["rollout.tensor_parallel_size=2"], ["rollout.tensor_parallel_size=1"], "rollout.tensor_parallel_size"),
-    (["rollout.weight_transfer=nccl"], ["rollout.weight_transfer=cpu"], "rollout.weight_transfer=nccl"),
+    (["rollout.weight_transfer=nccl"], ["rollout.weight_transfer=gloo"], "rollout.weight_transfer"),
     (["parallel=fsdp8", "rollout.engines=9"], ["rollout.engines=8"], "parallel.nodes"),
     (["agent=openai_chat", "data.apply_chat_template=false"], ["data.apply_chat_template=true"], "data.apply_chat_template"),
     (["loss.kl_coef=0.1"], ["reference.enabled=true"], "loss.kl_coef"),

