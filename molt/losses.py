@@ -16,6 +16,8 @@ from molt.plan import ImportanceSamplingPlan, LossPlan
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")  # loss.aggregation
+IS_LEVELS = ("token", "seq", "geo")  # loss.importance_sampling.level
+IS_MODES = ("mask", "clip", "trunc")  # loss.importance_sampling.mode
 MAX_LOG_WEIGHT = 20.0  # |log w| bound of an importance weight, so exp() stays finite in float32
 KL_BOUND = 10.0  # |per-token KL estimate| bound (kl_penalty)
 
@@ -70,7 +72,7 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     """
     if not cfg.enabled:
         return torch.ones_like(old_logprobs), {}
-    if cfg.level not in ("token", "seq", "geo") or cfg.mode not in ("mask", "clip", "trunc"):
+    if cfg.level not in IS_LEVELS or cfg.mode not in IS_MODES:
         raise ValueError(
             f"loss.importance_sampling level='{cfg.level}' mode='{cfg.mode}': level must be token, seq or "
             f"geo and mode mask, clip or trunc"

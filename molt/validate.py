@@ -15,7 +15,7 @@ from molt.agent import FORMS, load_agent
 from molt.data import DataError, parse_line, read_lines, validate_row
 from molt.estimators import (CRITIC_ESTIMATORS, ESTIMATORS, FILTER_CRITERIA, GROUP_ESTIMATORS,
                              KL_REWARD_ESTIMATORS, TEACHER_ESTIMATORS)
-from molt.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from molt.losses import AGGREGATIONS, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from molt.placement import PlacementError, layout
 from molt.plan import Plan
 
@@ -36,8 +36,8 @@ CHOICES = {
     "loss.name": tuple(POLICY_LOSSES),
     "loss.aggregation": AGGREGATIONS,
     "loss.kl_estimator": KL_ESTIMATORS,
-    "loss.importance_sampling.level": ("token", "seq", "geo"),
-    "loss.importance_sampling.mode": ("mask", "clip", "trunc"),
+    "loss.importance_sampling.level": IS_LEVELS,
+    "loss.importance_sampling.mode": IS_MODES,
     "dynamic_filter.criterion": FILTER_CRITERIA,
     "trainer.lr_schedule": ("constant", "cosine", "linear"),  # as molt/trainer.py LR_SCHEDULES
 }

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from molt.losses import (AGGREGATIONS, KL_BOUND, POLICY_LOSSES, adaptive_kl_coef, aggregate, entropy,
                          importance_weights, kl_penalty, mismatch_metrics, policy_loss, staleness_mask, token_mean,
                          token_weights, value_loss)
+from molt.losses import IS_LEVELS as LEVELS
+from molt.losses import IS_MODES as MODES
 from molt.plan import ImportanceSamplingPlan, LossPlan
-
-LEVELS, MODES = ("token", "seq", "geo"), ("mask", "clip", "trunc")
 
 # KL
 
