@@ -14,9 +14,12 @@ on a machine without a GPU.
    and its stages, trained tokens/s per GPU and the refit time. Skipped, with the reason, when the plan
    needs more GPUs than this machine has (one for the actor rank and one for the engine).
 2b. refit: this process broadcasts an updated copy of the model to the engine of part 2 over the refit
-   group (molt/refit_worker.py): from the last GPU, so with two or more GPUs the engine is on another one and
+   group (molt/refit.py): from the last GPU, so with two or more GPUs the engine is on another one and
    the group uses NCCL; with one GPU they share it and the group goes through host memory (gloo). Prints the
    backend, the seconds per refit and the engine's log-prob mismatch against the updated model.
+
+4. trainer step: Molt's `train_step` against a bare PyTorch step on the same model, tokens and optimizer
+   (benchmarks/trainer.py's comparison, issue 19), with the forward / backward / optimizer / Ray breakdown.
 
 Every number is printed when it is known. The run ends within --budget-s: a part that cannot fit any more
 is skipped with a note, and one still running when the time is up is stopped and its partial results printed.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import gc
 import json
 import os
@@ -85,7 +89,7 @@ def compose_plan(device: str, model_path: str, setting: dict):
     """The plan molt-run would build, as tests/runs.py composes it."""
     from hydra import compose, initialize_config_dir
 
-    from molt.cli import CONF_DIR
+    from molt.plan import CONF_DIR
     from molt.plan import to_plan
 
     overrides = [
@@ -197,7 +201,7 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
     """Part 2b: this process is the refit group's sender (as trainer rank 0 is in the loop)."""
     from transformers import AutoModelForCausalLM
 
-    from molt.refit_worker import RefitGroup, join, send
+    from molt.refit import RefitGroup, join, send
 
     device = torch.device("cpu")
     if plan.parallel.device == "cuda":
@@ -262,6 +266,16 @@ def loop(plan, gpus: int) -> None:
             with open(os.path.join(run_dir, "steps.jsonl")) as f:
                 steps = [json.loads(line) for line in f]
         print_steps(plan, steps, gpus)
+
+
+def trainer_step(plan) -> None:
+    """Part 4: benchmarks/trainer.py's comparison on this device (the bare step in this process, Molt's rank in
+    a Ray actor, on one GPU they share it), with the 20m batch shape: 32 rows of 64 prompt + 128 answer tokens."""
+    from trainer import SHAPES, compare, random_batch
+
+    plan = copy.deepcopy(plan)
+    plan.parallel.actor_ranks, plan.trainer.micro_batch_size, plan.trainer.lr = 1, 8, 1e-6
+    compare(plan, random_batch(*SHAPES["20m"]), repeats=3)
 
 
 def print_steps(plan, steps: list[dict], gpus: int) -> None:
@@ -355,10 +369,14 @@ def main() -> None:
         problems = validate(plan)  # among them: more GPUs than this machine has
         if problems:
             print("  skipped: " + "; ".join(problems), flush=True)
-            return
-        if time.time() + start_s > deadline:
-            raise OutOfTime(f"skipped: {deadline - time.time():.0f} s left, an engine start took {start_s:.0f} s")
-        loop(plan, sum(int(b.get("GPU", 0)) for b in layout(plan).bundles))
+        else:
+            if time.time() + start_s > deadline:
+                raise OutOfTime(f"skipped: {deadline - time.time():.0f} s left, an engine start took {start_s:.0f} s")
+            loop(plan, sum(int(b.get("GPU", 0)) for b in layout(plan).bundles))
+
+        part = "4. trainer step"
+        print(f"\n{part}: Molt's train_step against a bare PyTorch step, one actor rank", flush=True)
+        trainer_step(plan)
     except OutOfTime as e:
         print(f"  {e} (--budget-s {args.budget_s:g}); the parts after {part} were skipped", flush=True)
     finally:

@@ -12,7 +12,7 @@ the share of step time outside generation and actor compute, and the peak memory
 `--setting long` uses the untrained tiny model, whose answers run to agent.max_tokens_per_turn=64.
 `--candidate DIR` runs every schedule also with the molt sources of DIR (a modified copy of the repository),
 interleaved, and prints candidate/current ratios: how a proposed change to the loop is measured.
-refit: seconds per refit (trainer rank 0 gathers and broadcasts over the refit group, molt/refit_worker.py),
+refit: seconds per refit (trainer rank 0 gathers and broadcasts over the refit group, molt/refit.py),
 the bytes moved, and rank 0's extra memory, for the tiny dense and MoE models and the ~20M model.
 startup: where the time from launch to the first optimizer step goes, and engine + trainer started together.
 
@@ -199,7 +199,7 @@ def run_plan(run_dir: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from molt.cli import CONF_DIR
+    from molt.plan import CONF_DIR
     from molt.plan import to_plan
 
     overrides = OmegaConf.load(os.path.join(run_dir, ".hydra", "overrides.yaml"))
@@ -213,7 +213,7 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
     from molt.agent import load_agent
     from molt.data import load_dataset
     from molt.generator import prepare_engine
-    from molt.loop import RolloutPool
+    from molt.pool import RolloutPool
 
     plan = run_plan(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(plan.model.path)
@@ -373,7 +373,7 @@ async def refit_main(refits: int, models: list[str]) -> None:
     import ray
 
     from molt.generator import Generator
-    from molt.loop import refit
+    from molt.step import refit
     from molt.plan import ModelPlan, Plan
     from molt.tiny import build_tiny
     from molt.trainer import Trainer

@@ -53,42 +53,32 @@ def bare_step(model, optimizer, batch: TrainBatch, advantages: torch.Tensor, mic
     optimizer.zero_grad(set_to_none=True)
     tokens = int(batch.action_mask.sum())
     for rows in torch.arange(len(batch)).split(micro_batch_size):
-        ids, mask = batch.token_ids[rows], batch.action_mask[rows]
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows]).logits[:, :-1].float()
+        ids, mask = batch.token_ids[rows].to(model.device), batch.action_mask[rows].to(model.device)
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask[rows].to(model.device)).logits[:, :-1].float()
         logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = -(advantages[rows][:, 1:] * logprobs * mask[:, 1:]).sum() / tokens
+        loss = -(advantages[rows][:, 1:].to(model.device) * logprobs * mask[:, 1:]).sum() / tokens
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    args = parser.parse_args()
-
-    path = (build_tiny("dense", os.path.join(CACHE, "tiny-dense-warm300"), 300) if args.model == "tiny"
-            else model_path("20m"))
-    plan = Plan()
-    plan.model.path, plan.trainer.micro_batch_size, plan.trainer.lr = path, 32, 1e-6
-    plan.trainer.cpu_threads = args.threads
-    torch.set_num_threads(args.threads)
-    bare_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6)
-    batch = random_batch(*SHAPES[args.model])
+def compare(plan: Plan, batch: TrainBatch, repeats: int) -> None:
+    """Print Molt's train_step against the bare PyTorch step, with the breakdown, and the two ways of getting
+    the old log-probs, on plan.model.path (Ray must be running; on cuda the bare step uses this process's GPU)."""
+    device = "cuda" if plan.parallel.device == "cuda" else "cpu"
+    bare_model = AutoModelForCausalLM.from_pretrained(plan.model.path, dtype=getattr(torch, plan.model.dtype)).to(device)
+    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=plan.trainer.lr)
     scores = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(1))
     advantages = torch.where(batch.action_mask, scores, 0.0)
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     trainer = Trainer(plan)
     try:
         batch.rollout_logprobs = trainer.logprobs(batch, 1.0)  # an engine that agrees: no token masked
         train = {"separate pass + train_step": [], "train_step alone": []}
         efficiency = {"bare PyTorch step": [], "train_step": []}
         parts = {"forward": [], "backward": [], "optimizer + collectives": [], "Ray transfer + driver": []}
-        for _ in range(args.repeats + 1):  # the first round warms up and is left out
+        for _ in range(repeats + 1):  # the first round warms up and is left out
             for mode, seconds in train.items():
                 start = time.perf_counter()
                 old = trainer.logprobs(batch, 1.0) if mode.startswith("separate") else None
@@ -105,15 +95,32 @@ def main() -> None:
             parts["Ray transfer + driver"].append(seconds[-1] - rank_s)
     finally:
         trainer.shutdown()
-        ray.shutdown()
-
-    print(f"model={args.model} ({path}), batch {tuple(batch.token_ids.shape)}, {args.threads} threads, "
-          f"medians of {args.repeats}:")
-    print("  " + ", ".join(f"{name} {statistics.median(s[-args.repeats:]):.3f} s" for name, s in parts.items()))
+    print(f"  {plan.model.path} on {device}, batch {tuple(batch.token_ids.shape)}, medians of {repeats}:")
+    print("  " + ", ".join(f"{name} {statistics.median(s[-repeats:]):.3f} s" for name, s in parts.items()))
     for results in (efficiency, train):
-        medians = {name: statistics.median(seconds[-args.repeats:]) for name, seconds in results.items()}
+        medians = {name: statistics.median(seconds[-repeats:]) for name, seconds in results.items()}
         (before_name, before), (now_name, now) = medians.items()
-        print(f"  {before_name} {before:.3f} s, {now_name} {now:.3f} s: x{before / now:.2f}")
+        print(f"  {before_name} {before:.3f} s, {now_name} {now:.3f} s: x{before / now:.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+
+    plan = Plan()
+    plan.model.path = (build_tiny("dense", os.path.join(CACHE, "tiny-dense-warm300"), 300) if args.model == "tiny"
+                       else model_path("20m"))
+    plan.trainer.micro_batch_size, plan.trainer.lr, plan.trainer.cpu_threads = 32, 1e-6, args.threads
+    torch.set_num_threads(args.threads)
+    print(f"model={args.model}, {args.threads} threads:")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        compare(plan, random_batch(*SHAPES[args.model]), args.repeats)
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,18 +7,17 @@ imports the heavy stack and launches the loop.
 
 from __future__ import annotations
 
+import os
 import sys
-from pathlib import Path
+from datetime import datetime
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from molt.plan import PlanError, plan_to_yaml, to_plan
+from molt.plan import CONF_DIR, Plan, PlanError, plan_to_yaml, to_plan
 from molt.validate import check_inputs, validate
-
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def _reject(message: str) -> None:
@@ -30,27 +29,33 @@ def _reject(message: str) -> None:
     sys.exit(2)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def _run(cfg: DictConfig) -> None:
-    try:
-        plan = to_plan(cfg)
-    except PlanError as e:
-        _reject(f"molt: {e}")
+def launch(plan: Plan, run_dir: str) -> dict:
+    """Validate the plan and check its inputs (agent module, data files, checkpoints); unless plan.dry_run,
+    then import the heavy stack and train. Returns the run summary ({} for a dry run). Raises PlanError,
+    with every problem listed, when nothing was started."""
     problems = validate(plan) + check_inputs(plan)  # check_inputs imports the agent and reads the data files
     if plan.dry_run:
         print(plan_to_yaml(plan))
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
-        _reject(f"molt: the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")
+        raise PlanError(f"the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")
     if plan.dry_run:
         print("molt: plan is valid (dry run: nothing started)")
-        return
+        return {}
     from molt.loop import train  # Ray, vLLM and torch load only for a real launch
     from molt.placement import PlacementError
 
     try:
-        train(plan, run_dir=HydraConfig.get().runtime.output_dir)
-    except PlacementError as e:
+        return train(plan, run_dir)
+    except PlacementError as e:  # the cluster cannot hold the plan: checked before anything started
+        raise PlanError(str(e)) from None
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def _run(cfg: DictConfig) -> None:
+    try:
+        launch(to_plan(cfg), run_dir=HydraConfig.get().runtime.output_dir)
+    except PlanError as e:
         _reject(f"molt: {e}")
 
 
@@ -59,9 +64,10 @@ def run() -> None:
 
 
 def reproduce() -> None:
+    """Relaunch a recorded run's plan (plus overrides) as a new run tagged `molt.reproduced_from`."""
     import argparse
 
-    from molt.tracking import RecordError, reproduce
+    from molt.records import RecordError, load_plan
 
     parser = argparse.ArgumentParser(prog="molt-reproduce", description="Relaunch the exact plan of a recorded run.")
     parser.add_argument("source", help="MLflow run id or molt-run output directory")
@@ -71,7 +77,12 @@ def reproduce() -> None:
                         "else sqlite:///mlflow.db)")
     args = parser.parse_args()
     try:
-        reproduce(args.source, args.overrides, args.force, args.tracking_uri)
+        plan = load_plan(args.source, args.overrides, args.force, args.tracking_uri)
+        source = args.source
+        plan.logger.mlflow.tags["molt.reproduced_from"] = os.path.abspath(source) if os.path.isdir(source) else source
+        if args.tracking_uri:  # the new run goes to its source's store, unless the plan names one
+            os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
+        launch(plan, os.path.join("outputs", datetime.now().strftime("%Y-%m-%d/%H-%M-%S") + "-reproduce"))
     except (RecordError, PlanError) as e:
         sys.exit(f"molt-reproduce: {e}")
 
@@ -79,7 +90,7 @@ def reproduce() -> None:
 def compare() -> None:
     import argparse
 
-    from molt.tracking import DEFAULT_METRICS, RecordError, compare_runs
+    from molt.records import DEFAULT_METRICS, RecordError, compare_runs
 
     parser = argparse.ArgumentParser(prog="molt-compare", description="Tabulate and plot recorded runs.")
     parser.add_argument("runs", nargs="+", help="MLflow run ids, experiment names or sweep ids")

@@ -1,11 +1,10 @@
 """The optional PPO critic (critic.enabled): the policy's backbone class with a scalar value head per token,
-trained with the clipped value loss on ranks built like the policy's (molt/trainer.py)."""
+trained with the clipped value loss on ranks built like the policy's (molt/ranks.py, molt/trainer.py)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-import ray
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -14,7 +13,8 @@ from torch import Tensor
 from molt import losses
 from molt.plan import Plan
 from molt.trace import TrainBatch
-from molt.trainer import PolicyWorker, Trainer, all_reduce_metrics, check_shapes, gather_rows
+from molt.ranks import PolicyWorker, all_reduce_metrics
+from molt.trainer import Trainer, check_shapes, gather_rows
 
 
 class CriticWorker(PolicyWorker):
@@ -72,13 +72,13 @@ class Critic(Trainer):
     def values(self, batch: TrainBatch) -> Tensor:
         """V_t [B, T] for every action position (0 elsewhere): the old values for GAE and value clipping."""
         data = self._put(batch)
-        return gather_rows(ray.get([w.values.remote(data) for w in self.workers]), len(batch))
+        return gather_rows(self.on_ranks("values", data), len(batch))
 
     def train_step(self, batch: TrainBatch, returns: Tensor, old_values: Tensor,
                    loss_mask: Tensor) -> dict[str, float]:
         """Clipped value loss (loss.value_clip) toward `returns`, one optimizer step per epoch pass."""
         check_shapes(batch, returns=returns, old_values=old_values, loss_mask=loss_mask)
         data = self._put(batch, returns=returns.float(), old_values=old_values.float(), loss_mask=loss_mask.bool())
-        metrics = ray.get([w.train_step.remote(data, int(loss_mask.sum())) for w in self.workers])[0]
+        metrics = self.on_ranks("train_step", data, int(loss_mask.sum()))[0]
         self.step = metrics.pop("optimizer_steps")
         return metrics

@@ -394,11 +394,20 @@ class Conversation:
                 return self.engine_ids + encode(self.tokenizer, new, len(message_images(messages[n:])))
         return render_prompt(self.tokenizer, messages, tools, self.chat_template)
 
+    def continues(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt extends the current segment (else the context was compacted: a new segment)."""
+        return bool(self.segments) and prompt_ids[: len(self.engine_ids)] == self.engine_ids
+
+    def routes_known(self, prompt_ids: list[int]) -> int:
+        """How many of the prompt's positions have their MoE routes in the trace already: the engine need not
+        return them again."""
+        return len(self.segments[-1].routed_experts) if self.continues(prompt_ids) else 0
+
     def add_turn(self, messages: list[dict], tools: Optional[list[dict]], prompt_ids: list[int],
                  sample: Sample, reply: dict) -> None:
         """Record one engine call: its prompt (from `prompt_for`), the sample, and the reply message."""
-        segment = self.segments[-1] if self.segments else None
-        if segment is None or prompt_ids[: len(self.engine_ids)] != self.engine_ids:
+        segment = self.segments[-1] if self.continues(prompt_ids) else None
+        if segment is None:
             segment = Trajectory(self.rollout_id, self.group_id, segment=len(self.segments))
             self.segments.append(segment)
         # The engine's rendering: each image's IMAGE token expanded into the model's image tokens.

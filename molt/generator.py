@@ -8,7 +8,7 @@ rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
 Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API with the
-backend in molt/refit_worker.py: the sender (trainer rank 0) broadcasts to every engine worker over one
+backend in molt/refit.py: the sender (trainer rank 0) broadcasts to every engine worker over one
 process group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs).
 """
 
@@ -66,9 +66,9 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int
             # Inside Molt's placement group vLLM would switch to its Ray executor and look for one GPU per
             # bundle; its own worker processes on the GPUs Ray gave this actor are what the placement reserved.
             engine_args["distributed_executor_backend"] = "mp"
-    from molt.refit_worker import BACKEND  # imports vLLM: after the environment above
+    from molt.refit import BACKEND  # imports vLLM: after the environment above
 
-    engine_args["worker_extension_cls"] = "molt.refit_worker.RefitWorkerExtension"
+    engine_args["worker_extension_cls"] = "molt.refit.RefitWorkerExtension"
     engine_args["weight_transfer_config"] = {"backend": BACKEND}
     return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
 
@@ -115,6 +115,7 @@ class RolloutEngine:
         request_id: str,
         images: Optional[list] = None,
         stop: Optional[list[str]] = None,
+        routes_from: int = 0,
     ) -> Sample:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -129,6 +130,7 @@ class RolloutEngine:
             stop=stop,  # the engine stops on the token that completes one; every sampled id is returned
             detokenize=bool(stop),  # vLLM matches stop strings on its detokenized text
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
+            routed_experts_prompt_start=routes_from,  # routes of the earlier positions are in the trace already
         )
         prompt = {"prompt_token_ids": prompt_ids}
         if images:
@@ -140,7 +142,8 @@ class RolloutEngine:
         versions = [int(s.version) for s in completion.weight_versions for _ in range(s.start, s.end)]
         if len(versions) != len(token_ids):
             raise RuntimeError(f"request {request_id}: weight versions cover {len(versions)} of {len(token_ids)} tokens")
-        # Routes of every position the engine ran, from 0 (the last sampled token is never an input); None on CPU
+        # Routes of the positions the engine ran from routes_from on (the last sampled token is never an input);
+        # None on CPU
         routed = completion.routed_experts
         return Sample(
             token_ids=token_ids,
@@ -148,6 +151,7 @@ class RolloutEngine:
             versions=versions,
             finish_reason=completion.finish_reason,
             routed_experts=routed,
+            routes_start=routes_from,
             prompt_ids=list(output.prompt_token_ids) if images else None,
         )
 
@@ -185,7 +189,7 @@ def request_seed(plan: Plan, rollout_id: str, turn: int) -> Optional[int]:
     return zlib.crc32(f"{plan.seed}/{rollout_id}/{turn}".encode())
 
 
-class Router:
+class EnginePicker:
     """Picks an engine per request: a session stays on the engine of its first request, a new
     session goes to the engine with the fewest requests in flight (ties: fewest sessions so far)."""
 
@@ -216,7 +220,7 @@ class Generator:
 
     def __init__(self, engines: list):
         self.engines = engines
-        self.router = Router(len(engines))
+        self.picker = EnginePicker(len(engines))
         # Requests made in the same event-loop tick (a group's samples, a batch of new groups) go to their
         # engine in one Ray call: on short answers a Ray call per request costs more than the generation.
         self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
@@ -228,8 +232,6 @@ class Generator:
         """Start the engines of `plan.rollout` on `plan.model.path` (Ray must be initialised). `placement`: one
         Ray scheduling strategy per engine (molt.placement.reserve); None lets Ray choose."""
         rollout = plan.rollout
-        if rollout.engines < 1:
-            raise ValueError(f"rollout.engines={rollout.engines}: need at least one engine")
         strategies = placement or [None] * rollout.engines
         engines = [RolloutEngine.options(**engine_resources(plan), scheduling_strategy=s).remote() for s in strategies]
         generator = cls(engines)
@@ -253,12 +255,15 @@ class Generator:
         seed: Optional[int] = None,
         images: Optional[list] = None,
         stop: Optional[list[str]] = None,
+        routes_from: int = 0,
     ) -> Sample:
         """Sample a continuation of `prompt_ids`; `images` are the images of its IMAGE tokens, in order;
-        `stop`: strings the engine stops at (the chat APIs' stop sequences)."""
-        index = self.router.acquire(session_id)
+        `stop`: strings the engine stops at (the chat APIs' stop sequences). With model.routing_replay the
+        engine returns the routes of the positions from `routes_from` on (the trace has the earlier ones)."""
+        index = self.picker.acquire(session_id)
         request_id = f"{session_id or 'request'}-{uuid.uuid4().hex}"
-        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id, images or None, stop or None)
+        request = (prompt_ids, max_tokens, temperature, top_p, top_k, seed, request_id, images or None, stop or None,
+                   routes_from)
         sample = asyncio.get_running_loop().create_future()
         if not self.unsent[index]:
             asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick
@@ -266,7 +271,7 @@ class Generator:
         try:
             return await sample
         finally:
-            self.router.release(index)
+            self.picker.release(index)
 
     def _send(self, index: int) -> None:
         batch, self.unsent[index] = self.unsent[index], []
@@ -290,7 +295,7 @@ class Generator:
 
     def end_session(self, session_id: str) -> None:
         """Forget a finished session's engine."""
-        self.router.end_session(session_id)
+        self.picker.end_session(session_id)
 
     async def pause(self, keep_requests: bool = True) -> None:
         """Stop scheduling. keep_requests (partial rollout) freezes in-flight requests so they continue on
@@ -298,10 +303,10 @@ class Generator:
         await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
 
     async def connect_refit(self, group, join: Callable[[Any], Awaitable]) -> Any:
-        """Form the refit group (molt/refit_worker.py) once: `group` is the sender's `RefitGroup.offer`,
+        """Form the refit group (molt/refit.py) once: `group` is the sender's `RefitGroup.offer`,
         `join(group)` makes the sender join as rank 0; each engine's workers join after it. Returns what
         `join` returned. The backend follows rollout.weight_transfer and where the ranks run."""
-        from molt.refit_worker import refit_backend
+        from molt.refit import refit_backend
 
         gpus = await asyncio.gather(*(e.gpus.remote() for e in self.engines))  # fails fast on a dead engine
         group = dataclasses.replace(
@@ -326,7 +331,13 @@ class Generator:
             raise RuntimeError("update_weights needs the refit group: call connect_refit() first")
         if not all(await asyncio.gather(*(e.is_paused.remote() for e in self.engines))):
             raise RuntimeError("update_weights needs paused engines: call pause() first")
-        await asyncio.gather(send(), *(e.update_weights.remote(version) for e in self.engines))
+        sent, *received = await asyncio.gather(send(), *(e.update_weights.remote(version) for e in self.engines),
+                                               return_exceptions=True)  # each side fails at once when a peer dies
+        # A dead process explains the others' failed broadcast: report a dead engine, else the sender's error.
+        dead = [result for result in received if isinstance(result, ray.exceptions.RayActorError)]
+        for result in (*dead, sent, *received):
+            if isinstance(result, BaseException):
+                raise result
 
     async def resume(self) -> None:
         await asyncio.gather(*(e.resume.remote() for e in self.engines))

@@ -1,8 +1,8 @@
 """Per-token loss terms: KL estimators, importance-sampling correction, policy and value losses, entropy.
 
-Every function returns per-token tensors [B, T]; `token_mean` turns each into a scalar with one shared
-denominator, the number of loss tokens in the whole optimizer step, so the update does not depend on how
-the batch is split across data-parallel ranks and micro-batches. A log-probability at position t is
+Every loss term is a per-token tensor [B, T]; `aggregate` sums it with the weights of `token_weights`
+(loss.aggregation), which the driver computes once over the whole optimizer step, so the update does not
+depend on how the batch is split across data-parallel ranks and micro-batches. A log-probability at position t is
 log p(token_t | tokens_<t), as in `molt.trace.TrainBatch`.
 """
 
@@ -68,16 +68,11 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
     tokens) leaves [low, high]: one wild token in a short sequence, or a drift spread over a long one, drops
     the sequence whole. A sequence is one row: a compacted rollout's segments are gated separately. Masked
     and gated tokens stay in the loss denominator. Weights are meaningful on loss_mask only; with
-    cfg.enabled False they are all ones.
+    cfg.enabled False they are all ones. The second value holds counts (tokens, sequences, filtered and
+    gated ones, the weight sum) that add up over micro-batches and ranks; importance_metrics reads them.
     """
     if not cfg.enabled:
         return torch.ones_like(old_logprobs), {}
-    if cfg.level not in IS_LEVELS or cfg.mode not in IS_MODES:
-        raise ValueError(
-            f"loss.importance_sampling level='{cfg.level}' mode='{cfg.mode}': level must be token, seq or "
-            f"geo and mode mask, clip or trunc"
-        )
-
     # A NaN log-probability is a broken token: treat it as maximal mismatch so the gate removes it.
     log_w = (old_logprobs - rollout_logprobs).detach().float()
     log_w = torch.where(loss_mask, torch.nan_to_num(log_w, nan=MAX_LOG_WEIGHT), 0.0)
@@ -108,11 +103,27 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
 
     filtered = outside & loss_mask
     return weights, {
-        "is/filtered_token_frac": _fraction(filtered, loss_mask),
-        "is/filtered_seq_frac": _fraction(filtered.any(1), has_tokens),
-        "is/gated_seq_frac": _fraction(gated, has_tokens),
-        "is/gated_token_frac": _fraction(gated[:, None] & loss_mask, loss_mask),
-        "is/weight_mean": _masked_mean(weights, loss_mask),
+        "tokens": float(loss_mask.sum()),
+        "seqs": float(has_tokens.sum()),
+        "filtered_tokens": float(filtered.sum()),
+        "filtered_seqs": float(filtered.any(1).sum()),
+        "gated_seqs": float(gated.sum()),
+        "gated_tokens": float((gated[:, None] & loss_mask).sum()),
+        "weight_sum": float((weights * loss_mask).sum()),
+    }
+
+
+def importance_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """The `is/*` fractions from importance_weights' counts, summed over however the batch was split."""
+    if not counts:  # importance sampling off
+        return {}
+    tokens, seqs = max(counts["tokens"], 1.0), max(counts["seqs"], 1.0)
+    return {
+        "is/filtered_token_frac": counts["filtered_tokens"] / tokens,
+        "is/filtered_seq_frac": counts["filtered_seqs"] / seqs,
+        "is/gated_seq_frac": counts["gated_seqs"] / seqs,
+        "is/gated_token_frac": counts["gated_tokens"] / tokens,
+        "is/weight_mean": counts["weight_sum"] / tokens,
     }
 
 
@@ -164,9 +175,7 @@ POLICY_LOSSES = {"ppo": ppo, "gspo": gspo, "cispo": cispo}
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, cfg: LossPlan,
                 is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Per-token policy loss [B, T] of POLICY_LOSSES[cfg.name], times the importance weights, zero off the
-    loss mask. Reduce it with `token_mean`."""
-    if cfg.name not in POLICY_LOSSES:
-        raise ValueError(f"loss.name='{cfg.name}' is not one of {', '.join(POLICY_LOSSES)}")
+    loss mask. Reduce it with `aggregate`."""
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == loss_mask.shape):
         raise ValueError(
             f"policy_loss inputs must share one [B, T] shape, got logprobs {tuple(logprobs.shape)}, "
@@ -197,8 +206,6 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: T
 
 def entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """Entropy [...] of softmax(logits / temperature) over the last dimension, -inf logits allowed."""
-    if temperature <= 0:
-        raise ValueError(f"entropy temperature must be positive (rollout.temperature), got {temperature}")
     logp = F.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp.clamp(min=torch.finfo(logp.dtype).min)  # 0·(−inf) would be NaN
     return -(logp.exp() * logp).sum(-1)
@@ -215,8 +222,6 @@ def token_weights(loss_mask: Tensor, rollout_ids: Tensor, aggregation: str, max_
       seq_mean_token_sum   1 / (rollouts x max_rollout_tokens): a constant normaliser (Dr. GRPO), no length bias
     Rollouts count when they have at least one loss token.
     """
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"loss.aggregation='{aggregation}' is not one of {', '.join(AGGREGATIONS)}")
     loss_mask = loss_mask.bool()
     if aggregation == "token_mean":
         return loss_mask / loss_mask.sum().clamp(min=1)
@@ -266,8 +271,6 @@ def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, cfg: LossPlan) -> 
     loss = torch.maximum(unclipped, clipped)
     is_clipped = clipped > unclipped
     if cfg.dual_clip is not None:
-        if cfg.dual_clip <= 1:
-            raise ValueError(f"loss.dual_clip must be greater than 1, got {cfg.dual_clip}")
         dual_bound = -cfg.dual_clip * advantages
         dual_clipped = (advantages < 0) & (loss > dual_bound)
         loss = torch.where(dual_clipped, dual_bound, loss)

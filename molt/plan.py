@@ -8,11 +8,14 @@ Everything after configuration reads the plan, never the raw Hydra config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the YAML groups Hydra composes
 
 @dataclass
 class ModelPlan:
@@ -57,7 +60,7 @@ class RolloutPlan:
     enforce_eager: bool = True
     max_model_len: int = 512
     logprobs_mode: str = "processed_logprobs"  # processed_logprobs | raw_logprobs
-    # Refit: trainer rank 0 broadcasts to every engine worker (molt/refit_worker.py). auto: NCCL between GPUs,
+    # Refit: trainer rank 0 broadcasts to every engine worker (molt/refit.py). auto: NCCL between GPUs,
     # gloo through host memory on CPU or when an engine worker shares rank 0's GPU; gloo: host memory always.
     weight_transfer: str = "auto"
     refit_timeout_s: float = 300.0  # longest wait of one refit collective: a dead peer is an error after it

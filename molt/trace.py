@@ -25,7 +25,8 @@ class Sample:
     logprobs: list[float]  # log-probability of each sampled token under the behaviour policy
     versions: list[int]  # weight version each token was sampled under
     finish_reason: str  # "stop" | "length" | "abort"
-    routed_experts: Optional[Any] = None  # [positions from 0, layers, top_k] when the engine returns routes
+    routed_experts: Optional[Any] = None  # [positions from routes_start, layers, top_k] when the engine returns routes
+    routes_start: int = 0
     # A multimodal request's prompt as the engine rendered it (each image token expanded); None for text.
     prompt_ids: Optional[list[int]] = None
 
@@ -68,8 +69,13 @@ class Trajectory:
         self.versions += sample.versions
         self.engine_outputs.append(list(sample.token_ids))
         if sample.routed_experts is not None:
-            # Each call re-runs the whole prefix; earlier positions keep the routes they were sampled with.
-            self.routed_experts += list(sample.routed_experts[len(self.routed_experts) :])
+            # The engine returns routes from routes_start (SamplingParams.routed_experts_prompt_start); positions
+            # the trace has keep the routes they were sampled with.
+            known = len(self.routed_experts)
+            if sample.routes_start > known:
+                raise AssertionError(f"rollout {self.rollout_id}: the engine returned routes from position "
+                                     f"{sample.routes_start}, the trace has them for {known} positions")
+            self.routed_experts += list(sample.routed_experts[known - sample.routes_start :])
 
     @property
     def num_actions(self) -> int:
@@ -118,16 +124,15 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.token_ids.shape[0]
 
-    def select(self, index: torch.Tensor | slice) -> "TrainBatch":
-        return TrainBatch(**{name: None if value is None else value[index] for name, value in vars(self).items()})
-
 
 def collate(trajectories: list[Trajectory]) -> TrainBatch:
-    """Pad trajectories into one TrainBatch; group and rollout ids become consecutive integers. A rollout's
-    segments must be consecutive and in segment order (as molt/agent.py returns them)."""
+    """Pad trajectories into one TrainBatch; group and rollout ids become consecutive integers. Every
+    trajectory must pass the token-identity check, and a rollout's segments must be consecutive and in
+    segment order (as molt/agent.py returns them)."""
     group_index: dict[str, int] = {}
     rollout_index: dict[str, int] = {}
     for previous, t in zip([None, *trajectories], trajectories):
+        check_token_identity(t)
         starts_rollout = previous is None or previous.rollout_id != t.rollout_id
         expected_segment = 0 if starts_rollout else previous.segment + 1
         if t.segment != expected_segment or (starts_rollout and t.rollout_id in rollout_index):

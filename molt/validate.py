@@ -27,7 +27,7 @@ CHOICES = {
     "parallel.attention": ("sdpa", "flash", "te"),  # as molt/trainer.py ATTENTION
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.logprobs_mode": ("processed_logprobs", "raw_logprobs"),
-    # auto: NCCL between GPUs, else gloo through host memory (molt/refit_worker.py refit_backend); gloo: always
+    # auto: NCCL between GPUs, else gloo through host memory (molt/refit.py refit_backend); gloo: always
     # through host memory. No "nccl": auto takes it wherever it can work (two ranks on one GPU cannot).
     "rollout.weight_transfer": ("auto", "gloo"),
     "agent.form": tuple(FORMS),

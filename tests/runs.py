@@ -12,9 +12,8 @@ from pathlib import Path
 import psutil
 from hydra import compose, initialize_config_dir
 
-from molt.cli import CONF_DIR
-from molt.plan import Plan, to_plan
-from molt.trainer import latest_checkpoint
+from molt import checkpoint
+from molt.plan import CONF_DIR, Plan, to_plan
 from molt.validate import validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,5 +72,5 @@ def check_prompt_stream(run_dir, steps: int, groups_per_step: int) -> None:
     assert [r["step"] for r in records] == list(range(steps))
     trained = [index for r in records for index in r["groups"]]
     assert len(trained) == len(set(trained)) == steps * groups_per_step, "no prompt group trained twice"
-    pool = json.loads(Path(latest_checkpoint(str(Path(run_dir, "checkpoints"))), "extra.json").read_text())["pool"]
+    pool = json.loads(Path(checkpoint.latest(str(Path(run_dir, "checkpoints"))), "extra.json").read_text())["pool"]
     assert sorted(trained + pool["reissue"]) == list(range(pool["next_index"])), "no prompt group skipped"

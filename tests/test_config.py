@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf.errors import OmegaConfBaseException
 
-from molt.cli import CONF_DIR
+from molt.plan import CONF_DIR
 from molt.plan import Plan, PlanError, to_plan
 from molt.validate import validate
 from runs import compose_plan

@@ -1,9 +1,10 @@
-"""Faults on CPU with the real engine, actor ranks and Ray: failing agents, a dead engine, interrupted
-checkpoints, an unreachable tracking server, an unwritable checkpoint directory; and bad dataset rows
-(pure, no engine)."""
+"""Faults on CPU with the real engine, actor ranks and Ray: failing agents, a dead engine, a trainer rank
+killed during a refit, interrupted checkpoints, an unreachable tracking server, an unwritable checkpoint
+directory; and bad dataset rows (pure, no engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -16,14 +17,19 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from molt import checkpoint
 from molt.agent import Result, RolloutFailed, _check_result
 from molt.data import DataError, load_dataset
-from molt.loop import RolloutPool, train
+from molt.generator import Generator
+from molt.loop import train
 from molt.plan import DataPlan, Plan
+from molt.pool import RolloutPool
+from molt.step import refit
 from molt.tiny import build_tiny
-from molt.trainer import latest_checkpoint
+from molt.trainer import RankDied, Trainer
 
 import faulty_agent
 from runs import check_prompt_stream, kill_tree, run_molt, steps_log, valid_plan
@@ -182,9 +188,9 @@ def kill_engine_after_first_step(run_dir, started, overrides) -> tuple[str, str,
     output = finish(first, timeout=240)
     assert first.returncode != 0, output[-3000:]
     assert "a rollout engine died" in output and "wrote a checkpoint" in output, output[-3000:]
-    checkpoint = latest_checkpoint(str(Path(run_dir, "checkpoints")))
-    assert checkpoint is not None, f"no checkpoint written when the engine died:\n{output[-3000:]}"
-    return output, checkpoint, json.loads(Path(checkpoint, "extra.json").read_text())
+    saved = checkpoint.latest(str(Path(run_dir, "checkpoints")))
+    assert saved is not None, f"no checkpoint written when the engine died:\n{output[-3000:]}"
+    return output, saved, json.loads(Path(saved, "extra.json").read_text())
 
 
 @pytest.mark.slow
@@ -194,7 +200,7 @@ def test_dead_engine_stops_the_run_with_a_checkpoint_and_the_run_resumes(tmp_pat
     during a weight update. The resume also meets an interrupted checkpoint write (a leftover .tmp-
     directory and a step directory without its completion marker), which it must ignore."""
     overrides = ["trainer.steps=16", *ENGINE_RUN]
-    _, checkpoint, extra = kill_engine_after_first_step(tmp_path, started, overrides)
+    _, saved, extra = kill_engine_after_first_step(tmp_path, started, overrides)
     step = extra["step"]
     assert step >= 1
     check_prompt_stream(tmp_path, step, groups_per_step=2)
@@ -205,13 +211,13 @@ def test_dead_engine_stops_the_run_with_a_checkpoint_and_the_run_resumes(tmp_pat
     leftover = Path(tmp_path, "checkpoints", f".tmp-step_{step + 2:08d}")
     leftover.mkdir()
     (leftover / "extra.json").write_text(json.dumps({"step": step + 2, "pool": {"next_index": 0, "reissue": []}}))
-    assert latest_checkpoint(str(tmp_path / "checkpoints")) == checkpoint
+    assert checkpoint.latest(str(tmp_path / "checkpoints")) == saved
 
     second = run_molt(tmp_path, *overrides)
     started.append(second)
     output = finish(second, timeout=600)
     assert second.returncode == 0, output[-3000:]
-    assert f"resumed from {checkpoint} at step {step}" in output
+    assert f"resumed from {saved} at step {step}" in output
     check_prompt_stream(tmp_path, 16, groups_per_step=2)
 
 
@@ -227,13 +233,54 @@ def test_engine_dying_mid_generation_stops_the_run_with_every_group_accounted_fo
     check_prompt_stream(tmp_path, extra["step"], groups_per_step=2)
 
 
+@pytest.mark.slow
+def test_trainer_rank_killed_during_a_refit_is_a_clear_error_and_its_checkpoint_survives(local_ray, loop, tmp_path):
+    """Trainer rank 0 is SIGKILLed while the engines wait in the broadcast for its tensors: the refit fails
+    within seconds naming the rank's call (not after rollout.refit_timeout_s), and the checkpoint written
+    before it loads into a fresh trainer bit for bit."""
+    path = build_tiny("dense", str(tmp_path / "dense"))
+    plan = valid_plan(f"model.path={path}", "model.warm_start_steps=0", "rollout.refit_timeout_s=300")
+    generator = loop.run_until_complete(Generator.start(plan))
+    trainer = Trainer(plan)
+    try:
+        loop.run_until_complete(refit(generator, trainer, version=0, keep_requests=False))  # forms the group
+        saved = trainer.save(str(tmp_path / "checkpoints"), {"step": 0})
+        weights = trainer.state_dict()
+        (rank,) = [p for p in psutil.Process().children(recursive=True)
+                   if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::PolicyWorker")]
+
+        async def refit_and_kill_rank() -> float:
+            rank.suspend()  # the engines enter their receive and wait on the rank's broadcast
+            refitting = asyncio.ensure_future(refit(generator, trainer, version=1, keep_requests=False))
+            await asyncio.sleep(2)
+            assert not refitting.done()
+            rank.kill()
+            killed = time.monotonic()
+            with pytest.raises(RankDied, match="a trainer rank died in send_weights"):
+                await refitting
+            return time.monotonic() - killed
+
+        assert loop.run_until_complete(refit_and_kill_rank()) < 30, "the engines waited for the refit timeout"
+        assert checkpoint.latest(str(tmp_path / "checkpoints")) == saved
+    finally:
+        trainer.shutdown()
+        loop.run_until_complete(generator.shutdown())
+    fresh = Trainer(plan)
+    try:
+        assert fresh.load(saved) == {"step": 0}
+        restored = fresh.state_dict()
+        assert all(torch.equal(restored[name], tensor) for name, tensor in weights.items())
+    finally:
+        fresh.shutdown()
+
+
 def test_latest_checkpoint_ignores_unfinished_writes(tmp_path):
     for name, complete in (("step_00000002", True), ("step_00000003", False), (".tmp-step_00000004", True)):
         (tmp_path / name).mkdir()
         if complete:
             (tmp_path / name / "extra.json").write_text("{}")
-    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000002")
-    assert latest_checkpoint(str(tmp_path / "missing")) is None
+    assert checkpoint.latest(str(tmp_path)) == str(tmp_path / "step_00000002")
+    assert checkpoint.latest(str(tmp_path / "missing")) is None
 
 
 # ---- an unwritable checkpoint directory ----------------------------------------------------------------

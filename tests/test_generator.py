@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from molt.generator import Generator, Router, prepare_engine, request_seed
+from molt.generator import EnginePicker, Generator, prepare_engine, request_seed
 from molt.plan import ModelPlan, Plan, RolloutPlan
-from molt.refit_worker import RefitGroup, join, send
+from molt.refit import RefitGroup, join, send
 from molt.tiny import build_tiny
 from molt.validate import validate
 from runs import compose_plan
@@ -81,10 +81,12 @@ class Engine:
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def engine(request, local_ray, loop, tmp_path_factory):
-    """One engine at a time: pytest finishes every test of one kind before starting the other."""
+    """One kind at a time: pytest finishes every test of one kind before starting the other. The dense
+    model runs on two engines, so each refit broadcasts into both (one refit group, ranks 1 and 2)."""
     kind = request.param
     path = build_tiny(kind, str(tmp_path_factory.mktemp("models") / kind))
-    plan = Plan(model=ModelPlan(path=path, tiny=kind, moe=kind == "moe"), rollout=RolloutPlan(max_model_len=512))
+    plan = Plan(model=ModelPlan(path=path, tiny=kind, moe=kind == "moe"),
+                rollout=RolloutPlan(max_model_len=512, engines=2 if kind == "dense" else 1))
     generator = loop.run_until_complete(Generator.start(plan))
     engine = Engine(kind, path, generator, loop)
     engine.run(engine.generate(engine.prompt("warm up")))  # the first request pays one-off kernel setup
@@ -117,6 +119,7 @@ def test_refit_matches_updated_hf_model(engine):
     engine.run(engine.generator.resume())
     prompts = [engine.prompt(f"What is {a} * 3?") for a in range(4)]
     samples = engine.run(engine.generate_all(prompts, max_tokens=24))
+    assert all(engine.generator.picker.sessions_started), "every engine served some of the prompts"
     for prompt, sample in zip(prompts, samples):
         assert sample.versions == [engine.version] * len(sample.token_ids)
         assert_close(sample.logprobs, engine.hf_logprobs(prompt, sample.token_ids))
@@ -198,7 +201,7 @@ def test_request_seed_depends_on_run_rollout_and_turn_and_is_off_by_default():
 
 
 def test_router_keeps_sessions_and_balances_new_ones():
-    router = Router(num_engines=2)
+    router = EnginePicker(num_engines=2)
     first = router.acquire("a")
     second = router.acquire("b")
     assert {first, second} == {0, 1}  # two concurrent sessions land on different engines
@@ -221,12 +224,12 @@ def test_router_keeps_sessions_and_balances_new_ones():
 
 
 def test_refit_goes_through_the_broadcast_backend_on_both_devices():
-    from molt.refit_worker import BACKEND
+    from molt.refit import BACKEND
 
     for device in ("cpu", "cuda"):
         args = prepare_engine("/m", RolloutPlan(tensor_parallel_size=2), device, seed=0)
         assert args["weight_transfer_config"] == {"backend": BACKEND}
-        assert args["worker_extension_cls"] == "molt.refit_worker.RefitWorkerExtension"
+        assert args["worker_extension_cls"] == "molt.refit.RefitWorkerExtension"
         assert ("distributed_executor_backend" in args) == (device == "cuda")  # vLLM's own workers on GPU
     gpu = compose_plan("parallel=fsdp8", "rollout=gpu", "rollout.weight_transfer=nccl")
     assert "rollout.weight_transfer='nccl' is not one of auto, gloo" in validate(gpu)

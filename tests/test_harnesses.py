@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from molt import loop
+from molt import loop, trace
 from molt.tiny import build_tiny
 from molt.trace import check_token_identity
 from runs import ROOT, steps_log, valid_plan
@@ -21,11 +21,11 @@ def test_real_harnesses_train_unchanged(tmp_path, monkeypatch):
     path = teach_tool_use(build_tiny("dense", str(models / "base")), str(models / "tool_user"))
     trained = []
 
-    def audit(segment):  # the loop's token-identity audit, and a record of what each step trains
+    def audit(segment):  # collate's token-identity audit, and a record of what each step trains
         check_token_identity(segment)
         trained.append(segment)
 
-    monkeypatch.setattr(loop, "check_token_identity", audit)
+    monkeypatch.setattr(trace, "check_token_identity", audit)
     plan = valid_plan(
         "agent=openai_chat", f"agent.path={ROOT / 'tests' / 'harness_agents.py'}", "agent.name=harnesses",
         "agent.max_turns=4", "agent.timeout_s=120", f"model.path={path}", "model.warm_start_steps=0",

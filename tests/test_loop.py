@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from molt.loop import train
-from molt.trainer import latest_checkpoint
+from molt import checkpoint
 from runs import check_prompt_stream, kill_tree, run_molt, steps_log, valid_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
@@ -132,7 +132,7 @@ def test_killed_run_resumes_without_losing_or_repeating_a_prompt(tmp_path):
         kill_tree(first.pid)
     first.wait()
     # steps take well under a second: the run may have written a later checkpoint before the kill landed
-    killed_at = latest_checkpoint(str(checkpoints))
+    killed_at = checkpoint.latest(str(checkpoints))
     assert killed_at is not None and killed_at < str(checkpoints / "step_00000008"), "killed after the last step"
     second = run_molt(tmp_path, *overrides)
     try:

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from molt.losses import (AGGREGATIONS, KL_BOUND, POLICY_LOSSES, adaptive_kl_coef, aggregate, entropy,
-                         importance_weights, kl_penalty, mismatch_metrics, policy_loss, staleness_mask, token_mean,
-                         token_weights, value_loss)
+                         importance_metrics, importance_weights, kl_penalty, mismatch_metrics, policy_loss,
+                         staleness_mask, token_mean, token_weights, value_loss)
 from molt.losses import IS_LEVELS as LEVELS
 from molt.losses import IS_MODES as MODES
 from molt.plan import ImportanceSamplingPlan, LossPlan
@@ -121,7 +121,8 @@ def test_importance_weights_hand_example(level, mode):
     expected, filtered_tokens, filtered_seqs = IS_EXPECTED[level, mode]
     rollout = torch.full((2, 3), -2.0)
     cfg = ImportanceSamplingPlan(level=level, mode=mode, low=0.5, high=2.0, seq_gate=None)
-    weights, metrics = importance_weights(rollout + IS_LOG_W, rollout, IS_MASK, cfg)
+    weights, counts = importance_weights(rollout + IS_LOG_W, rollout, IS_MASK, cfg)
+    metrics = importance_metrics(counts)
     torch.testing.assert_close(weights[IS_MASK], torch.tensor(expected, dtype=torch.float32))
     assert metrics["is/filtered_token_frac"] == pytest.approx(filtered_tokens / 5)
     assert metrics["is/filtered_seq_frac"] == pytest.approx(filtered_seqs / 2)
@@ -147,13 +148,25 @@ def test_stale_tokens_leave_the_loss_mask():
 
 def test_disabled_importance_sampling_gives_ones():
     cfg = ImportanceSamplingPlan(enabled=False)
-    weights, metrics = importance_weights(IS_LOG_W, torch.zeros(2, 3), IS_MASK, cfg)
-    assert (weights == 1).all() and metrics == {}
+    weights, counts = importance_weights(IS_LOG_W, torch.zeros(2, 3), IS_MASK, cfg)
+    assert (weights == 1).all() and importance_metrics(counts) == {}
 
 
-def test_unknown_importance_level_names_the_key():
-    with pytest.raises(ValueError, match="level='tok'"):
-        importance_weights(IS_LOG_W, IS_LOG_W, IS_MASK, ImportanceSamplingPlan(level="tok"))
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.data())
+def test_importance_metrics_do_not_depend_on_how_the_rows_are_split(batch, length, data):
+    """The ranks and micro-batches each count their rows; the summed counts give the whole batch's metrics."""
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=batch * length, max_size=batch * length)),
+                        dtype=torch.bool).reshape(batch, length)
+    log_w = torch.tensor(data.draw(st.lists(st.floats(-3, 3), min_size=batch * length, max_size=batch * length)))
+    rollout = torch.full((batch, length), -2.0)
+    old = rollout + log_w.reshape(batch, length)
+    cfg = ImportanceSamplingPlan(level=data.draw(st.sampled_from(LEVELS)), mode=data.draw(st.sampled_from(MODES)))
+    cut = data.draw(st.integers(0, batch))
+    whole = importance_metrics(importance_weights(old, rollout, mask, cfg)[1])
+    parts = [importance_weights(old[rows], rollout[rows], mask[rows], cfg)[1] for rows in (slice(0, cut), slice(cut, None))]
+    summed = importance_metrics({name: parts[0][name] + parts[1][name] for name in parts[0]})
+    assert summed == pytest.approx(whole, abs=1e-6)
 
 
 @settings(max_examples=60, deadline=None)
@@ -165,7 +178,8 @@ def test_importance_correction_is_identity_on_policy(batch, length, low, high, d
     for level in LEVELS:
         for mode in MODES:
             cfg = ImportanceSamplingPlan(level=level, mode=mode, low=low, high=high)
-            weights, metrics = importance_weights(logprobs, logprobs.clone(), mask, cfg)
+            weights, counts = importance_weights(logprobs, logprobs.clone(), mask, cfg)
+            metrics = importance_metrics(counts)
             assert (weights[mask] == 1).all(), (level, mode)
             assert metrics["is/filtered_token_frac"] == 0 and metrics["is/filtered_seq_frac"] == 0
             assert metrics["is/gated_seq_frac"] == 0
@@ -179,7 +193,8 @@ def test_one_wild_token_gates_its_sequence_and_only_that_sequence():
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[2, 2:] = False
     rollout = torch.full((3, 4), -2.0)
-    weights, metrics = importance_weights(rollout + log_w, rollout, mask, ImportanceSamplingPlan())
+    weights, counts = importance_weights(rollout + log_w, rollout, mask, ImportanceSamplingPlan())
+    metrics = importance_metrics(counts)
     assert (weights[0] == 0).all()
     torch.testing.assert_close(weights[1], torch.tensor([math.exp(0.3), math.exp(-0.3), 0.0, 1.0]))
     torch.testing.assert_close(weights[2, :2], torch.ones(2))
@@ -238,8 +253,6 @@ def test_ppo_asymmetric_and_dual_clip():
     # Upper clip at 1.28 for A > 0; ρ=5 with A=−1 would cost 5, the dual clip bounds it at 3·|A|.
     torch.testing.assert_close(loss, torch.tensor([-1.28, 3.0, -1.28]))
     torch.testing.assert_close(grad, torch.zeros(3))
-    with pytest.raises(ValueError, match="loss.dual_clip"):
-        run_loss([1.0], [1.0], dual_clip=0.5)
 
 
 def test_gspo_uses_the_sequence_ratio_with_per_token_gradients():
@@ -270,9 +283,7 @@ def test_policy_loss_applies_importance_weights_and_mask():
     torch.testing.assert_close(grad, torch.tensor([-0.5, 0.0, 0.0]))
 
 
-def test_policy_loss_rejects_unknown_name_and_mismatched_shapes():
-    with pytest.raises(ValueError, match="loss.name='dpo'"):
-        run_loss([1.0], [1.0], name="dpo")
+def test_policy_loss_rejects_mismatched_shapes():  # an unknown loss.name is the validator's (test_validator.py)
     with pytest.raises(ValueError, match="share one"):
         mask = torch.ones(1, 2, dtype=torch.bool)
         policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 3), mask, LossPlan())
@@ -348,8 +359,6 @@ def test_aggregation_hand_example():
     assert loss("token_mean") == pytest.approx((1 + 2 + 3 + 8) / 4)
     assert loss("seq_mean_token_mean") == pytest.approx(((1 + 2 + 3) / 3 + 8 / 1) / 2)
     assert loss("seq_mean_token_sum") == pytest.approx(((1 + 2 + 3) / 4 + 8 / 4) / 2)
-    with pytest.raises(ValueError, match="loss.aggregation='sum'"):
-        token_weights(mask, rollouts, "sum", 4)
 
 
 def test_gspo_recipe_weighs_every_sequence_equally():

@@ -7,13 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt import routing
+from molt.data import Conversation
 from molt.plan import Plan
-from molt.refit_worker import join, receive
+from molt.refit import join, receive
 from molt.tiny import build_tiny
-from molt.trace import TrainBatch
+from molt.trace import Sample, TrainBatch
 from molt.trainer import Trainer
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 8  # the tiny Qwen3-MoE (molt/tiny.py)
@@ -44,6 +45,34 @@ def token_ids(rows=3, length=20, seed=0):
 def other_experts(routes):
     """A different top-k set for every (token, layer): each expert id shifted by one."""
     return torch.where(routes >= 0, (routes + 1) % EXPERTS, routes)
+
+
+def test_multi_turn_routes_come_back_once_per_position_and_assemble_to_the_sequence_routes(moe_path, model, hooks):
+    """A three-turn conversation whose engine returns the routes of the positions from
+    Conversation.routes_known on (vLLM's SamplingParams.routed_experts_prompt_start), cut from routes captured
+    by a forward of each turn's whole sequence: every position's route comes back once, and the trace holds
+    exactly the final sequence's routes. A compacted context starts a new segment that asks from position 0."""
+    tokenizer = AutoTokenizer.from_pretrained(moe_path)
+    conversation = Conversation(tokenizer, "r", "g")
+    messages, starts, returned = [], [], 0
+    for turn, reply in enumerate(["12", "it is 7", "done"]):
+        messages = messages + [{"role": "user", "content": f"question {turn}"}]
+        prompt_ids = conversation.prompt_for(messages, None)
+        answer = tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
+        hooks.begin()
+        model(input_ids=torch.tensor([prompt_ids + answer]))
+        routes = hooks.live_routes()  # [positions, layers, top_k]; the last sampled token is never an input
+        starts.append(conversation.routes_known(prompt_ids))
+        returned += len(routes) - 1 - starts[-1]
+        sample = Sample(answer, [-1.0] * len(answer), [0] * len(answer), "stop",
+                        routed_experts=routes[starts[-1] : -1].tolist(), routes_start=starts[-1])
+        conversation.add_turn(messages, None, prompt_ids, sample, {"role": "assistant", "content": reply})
+        messages = conversation.messages
+    (segment,) = conversation.segments
+    assert starts[0] == 0 < starts[1] < starts[2]
+    assert returned == len(segment.token_ids) - 1  # once per position
+    assert torch.equal(torch.tensor(segment.routed_experts), routes[:-1])
+    assert conversation.routes_known(conversation.prompt_for([{"role": "user", "content": "summary"}], None)) == 0
 
 
 def test_replaying_captured_routes_reproduces_the_forward_exactly(model, hooks):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from molt.loop import RolloutPool
+from molt.pool import RolloutPool
 from molt.trace import Trajectory
 from runs import valid_plan
 

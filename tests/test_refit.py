@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from molt.refit_worker import RefitGroup, join, receive, refit_backend, send
+from molt.refit import RefitGroup, join, receive, refit_backend, send
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def test_a_peer_that_never_joins_is_an_error_after_the_timeout():
 
 PEER = """
 import json, sys, time
-from molt.refit_worker import RefitGroup, join
+from molt.refit import RefitGroup, join
 join(RefitGroup(**json.loads(sys.argv[1])), 0)
 print("joined", flush=True)
 time.sleep(600)

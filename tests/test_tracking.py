@@ -18,7 +18,8 @@ from mlflow import MlflowClient
 from PIL import Image
 
 from molt.plan import Plan, PlanError, to_plan
-from molt.tracking import RecordError, Tracker, compare_runs, find_runs, load_plan, mlflow_name
+from molt.records import RecordError, compare_runs, find_runs, load_plan
+from molt.tracking import Tracker, mlflow_name
 
 BIN = Path(sys.executable).parent
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from molt.cli import CONF_DIR
+from molt.plan import CONF_DIR
 from molt.placement import layout
 from molt.plan import Plan, PlanError, to_plan
 from molt.validate import CHOICES, RANGES, check_inputs, validate
