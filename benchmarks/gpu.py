@@ -275,6 +275,7 @@ def trainer_step(plan) -> None:
 
     plan = copy.deepcopy(plan)
     plan.parallel.actor_ranks, plan.trainer.micro_batch_size, plan.trainer.lr = 1, 8, 1e-6
+    plan.trainer.cpu_threads = torch.get_num_threads()  # on CPU the rank gets the bare step's threads
     compare(plan, random_batch(*SHAPES["20m"]), repeats=3)
 
 

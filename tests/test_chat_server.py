@@ -14,7 +14,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from molt.chat_server import STREAM_PIECE, ChatServer, Turn, _anthropic_events, _openai_events, _responses_events
+from molt.chat_protocols import STREAM_PIECE, Turn, stream_events, write_response
+from molt.chat_server import ChatServer
 from molt.data import parse_tool_calls
 from molt.plan import ModelPlan, Plan, RolloutPlan
 from molt.tiny import build_tiny
@@ -231,8 +232,8 @@ def turn(server):
 
 
 def test_streamed_chat_completion_is_read_by_the_openai_sdk(server, loop, turn):
-    answer = server._openai_response(turn)
-    events = _openai_events(answer, {"stream_options": {"include_usage": True}})
+    body = {"stream_options": {"include_usage": True}}
+    events = stream_events("openai", write_response("openai", turn, body, server.plan), body)
     argument_chunks = [e for e in events if '"arguments": "' in e and '"name"' not in e]
     assert len(argument_chunks) >= 4, "each call's arguments arrive in several chunks"
     client = sdk_client(openai, events)
@@ -254,8 +255,7 @@ def test_streamed_chat_completion_is_read_by_the_openai_sdk(server, loop, turn):
 
 
 def test_streamed_anthropic_message_is_read_by_the_anthropic_sdk(server, loop, turn):
-    message = server._anthropic_response(turn)
-    events = _anthropic_events(message)
+    events = stream_events("anthropic", write_response("anthropic", turn, {}, server.plan), {})
     assert sum("input_json_delta" in e for e in events) >= 4
     client = sdk_client(anthropic, events)
 
@@ -272,8 +272,8 @@ def test_streamed_anthropic_message_is_read_by_the_anthropic_sdk(server, loop, t
 
 
 def test_streamed_response_is_read_by_the_openai_sdk(server, loop, turn):
-    response = server._responses_response(turn, {"tools": []})
-    events = _responses_events(response)
+    body = {"tools": []}
+    events = stream_events("responses", write_response("responses", turn, body, server.plan), body)
     assert sum("function_call_arguments.delta" in e for e in events) >= 4
     client = sdk_client(openai, events)
 

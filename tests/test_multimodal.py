@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from molt.agent import run_chat_rollout, run_env_rollout
 from molt.agents import colors, colors_anthropic, colors_openai
-from molt.chat_server import RequestError, _from_anthropic
+from molt.chat_protocols import RequestError, _from_anthropic
 from molt.data import (
     IMAGE,
     Conversation,
