@@ -14,8 +14,10 @@ one sequence; splitting a rollout into segments never changes any token's advant
 only, else None). Estimators read their inputs as constants (detached).
 
 KL as a per-token reward (`kl_penalty`, β·KL_t computed by the caller) is subtracted from the token rewards
-by reinforce_pp and gae and from the distillation advantage; the group estimators score whole rollouts, so
-they reject it: use KL as a loss term with them (loss.kl_in_reward=false).
+by reinforce_pp and gae and from the distillation advantage; the group estimators score whole rollouts and
+ignore it (the validator refuses loss.kl_in_reward=true with them: KL_REWARD_ESTIMATORS). The estimators trust
+what the validator checked (cfg, and that gae gets values and on_policy_distill a teacher's log-probs); they
+check only the batch.
 
 Whitening uses the mean and population std over the action tokens of the whole batch, (A − mean) / (std +
 eps), eps added to the std (cfg.whiten); reinforce_pp, reinforce_baseline and gae whiten, the others are
@@ -53,7 +55,6 @@ def reinforce_pp(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPla
 def reinforce_baseline(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None,
                        values=None, old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
     """r − mean(group), whitened; a single-rollout group gets 0 before whitening."""
-    _reject_kl_reward("reinforce_baseline", kl_penalty)
     rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
     group_mean, _ = _group_mean(rollout_rewards, groups)
     advantages = (rollout_rewards - group_mean)[row_rollout, None] * action_mask
@@ -63,7 +64,6 @@ def reinforce_baseline(rewards, group_ids, rollout_ids, action_mask, cfg: Estima
 def rloo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
          old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
     """Leave-one-out: r − mean of the other rollouts' rewards; a single-rollout group keeps r."""
-    _reject_kl_reward("rloo", kl_penalty)
     rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
     group_mean, group_size = _group_mean(rollout_rewards, groups)
     # r − (sum − r)/(n − 1) = n/(n − 1)·(r − mean), which is exactly 0 when the group agrees.
@@ -75,7 +75,6 @@ def rloo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl
 def grpo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
          old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
     """(r − mean(group)) / (sample std(group) + eps); a single-rollout group gets 0."""
-    _reject_kl_reward("grpo", kl_penalty)
     rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
     group_mean, group_size = _group_mean(rollout_rewards, groups)
     deviation = rollout_rewards - group_mean
@@ -88,7 +87,6 @@ def grpo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl
 def dr_grpo(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_penalty=None, values=None,
             old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
     """Dr. GRPO: r − mean(group), not divided by the std; a single-rollout group gets 0."""
-    _reject_kl_reward("dr_grpo", kl_penalty)
     rollout_rewards, groups, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
     group_mean, _ = _group_mean(rollout_rewards, groups)
     return (rollout_rewards - group_mean)[row_rollout, None] * action_mask, None
@@ -99,11 +97,6 @@ def gae(rewards, group_ids, rollout_ids, action_mask, cfg: EstimatorPlan, *, kl_
     """GAE(γ, λ) with a PPO critic over the action tokens of each rollout (across its segments);
     returns = A + V before whitening."""
     rollout_rewards, _, row_rollout = _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)
-    if values is None or values.shape != action_mask.shape:
-        raise ValueError(
-            f"gae needs critic values of shape {tuple(action_mask.shape)}, got "
-            f"{None if values is None else tuple(values.shape)}: enable the critic (critic.enabled=true)"
-        )
     values = values.detach().float() * action_mask
     advantages = _discounted_advantages(rollout_rewards, row_rollout, action_mask, kl_penalty, values, cfg.gamma,
                                         cfg.lam)
@@ -115,13 +108,6 @@ def on_policy_distill(rewards, group_ids, rollout_ids, action_mask, cfg: Estimat
                       values=None, old_logprobs=None, teacher_logprobs=None) -> tuple[Tensor, None]:
     """Per-token advantage −β·(log π_old − log π_teacher), not whitened; outcome rewards are unused."""
     _rollout_rewards(rewards, group_ids, rollout_ids, action_mask, cfg)  # validates the shapes
-    for name, logprobs in (("old_logprobs", old_logprobs), ("teacher_logprobs", teacher_logprobs)):
-        if logprobs is None or logprobs.shape != action_mask.shape:
-            raise ValueError(
-                f"on_policy_distill needs {name} of shape {tuple(action_mask.shape)}, got "
-                f"{None if logprobs is None else tuple(logprobs.shape)}: set reference.enabled=true and "
-                f"reference.path to the teacher checkpoint"
-            )
     advantages = -cfg.distill_coef * (old_logprobs.detach() - teacher_logprobs.detach())
     if kl_penalty is not None:
         advantages = advantages - kl_penalty.detach()
@@ -156,8 +142,6 @@ def _rollout_rewards(rewards: Tensor, group_ids: Tensor, rollout_ids: Tensor, ac
     if not torch.isfinite(rewards).all():
         bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
         raise ValueError(f"rewards of rows {bad} are not finite: the reward function must return numbers")
-    if len(cfg.reward_clip) != 2 or cfg.reward_clip[0] > cfg.reward_clip[1]:
-        raise ValueError(f"estimator.reward_clip must be [low, high] with low <= high, got {cfg.reward_clip}")
     _, row_rollout = torch.unique(rollout_ids, return_inverse=True)
     num_rollouts = int(row_rollout.max()) + 1 if batch else 0
     first_row = torch.full((num_rollouts,), batch).scatter_reduce(0, row_rollout, torch.arange(batch), "amin")
@@ -168,14 +152,6 @@ def _rollout_rewards(rewards: Tensor, group_ids: Tensor, rollout_ids: Tensor, ac
                          f"other segments have another reward or group: one rollout has one reward and one group")
     low, high = cfg.reward_clip
     return rollout_rewards.detach().float().clamp(low, high), rollout_groups, row_rollout
-
-
-def _reject_kl_reward(name: str, kl_penalty: Tensor | None) -> None:
-    if kl_penalty is not None:
-        raise ValueError(
-            f"estimator '{name}' scores whole rollouts and cannot take KL as a per-token reward: set "
-            f"loss.kl_in_reward=false (KL as a loss term) or use estimator=reinforce_pp or gae"
-        )
 
 
 def _group_mean(values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 from molt import checkpoint
 from molt.agent import RolloutFailed, load_agent, run_chat_rollout, run_env_rollout
 from molt.chat_server import ChatServer
+from molt.console import console_line, print_summary, starting
 from molt.critic import Critic
 from molt.data import load_dataset, load_processor
 from molt.generator import Generator
@@ -75,7 +76,9 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
     if plan.model.tiny:  # the tiny checkpoint is built at model.path on first use
         build_tiny(plan.model.tiny, plan.model.path, plan.model.warm_start_steps)
     if not ray.is_initialized():
-        ray.init(address=plan.ray_address, include_dashboard=False, log_to_driver=False)
+        with starting("Ray"):
+            ray.init(address=plan.ray_address, include_dashboard=False,
+                     log_to_driver=plan.logger.library_logs == "console")
     tokenizer = AutoTokenizer.from_pretrained(plan.model.path)
     processor = load_processor(plan)  # None for a text-only model
     agent = load_agent(plan.agent.path, plan.agent.form)
@@ -85,16 +88,23 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
     async with contextlib.AsyncExitStack() as stack:  # stops whatever has started, in reverse order
         placement = reserve(plan)  # checks the cluster against the plan, then holds each node's share
         stack.callback(placement.release)
-        generator = await Generator.start(plan, placement.engines)
+        with starting("rollout engine", plan.rollout.engines):
+            generator = await Generator.start(plan, placement.engines)
         stack.push_async_callback(generator.shutdown)
-        trainer = Trainer(plan, placement=placement.policy)
+        with starting("policy rank", plan.parallel.actor_ranks):
+            trainer = Trainer(plan, placement=placement.policy)
         stack.callback(trainer.shutdown)
         if plan.parallel.device == "cpu":  # chosen, not implied by Ray's CPU shares: say what they are
             print(f"molt: each policy rank trains on {trainer.threads[0]} torch threads (trainer.cpu_threads); the engine's "
                   f"OpenMP threads bind to {plan.rollout.cpu_omp_threads_bind} (rollout.cpu_omp_threads_bind)",
                   file=sys.stderr)
-        reference = Trainer(plan, trainable=False, placement=placement.reference) if plan.reference.enabled else None
-        critic = Critic(plan, placement=placement.critic) if plan.critic.enabled else None
+        reference = critic = None
+        if plan.reference.enabled:
+            with starting("reference rank", plan.parallel.actor_ranks):
+                reference = Trainer(plan, trainable=False, placement=placement.reference)
+        if plan.critic.enabled:
+            with starting("critic rank", plan.parallel.actor_ranks):
+                critic = Critic(plan, placement=placement.critic)
         for actor_group in (reference, critic):
             if actor_group:
                 stack.callback(actor_group.shutdown)
@@ -231,24 +241,3 @@ def check_writable(directory: str) -> None:
         os.remove(probe)
     except OSError as e:
         raise RuntimeError(f"checkpoint.dir: cannot write checkpoints to {directory}: {e.strerror}") from None
-
-
-def console_line(step: int, steps: int, m: dict[str, float]) -> str:
-    return (
-        f"step {step + 1}/{steps}  reward {m['rollout/reward_mean']:.3f}  len {m['rollout/response_length']:.1f}"
-        f"  loss {m['loss/policy']:.4f}  stale {m['staleness/mean']:.2f}"
-        f"  {m['throughput/trained_tokens_per_s']:.0f} tok/s  step {m['timing/step']:.2f}s"
-        f" (wait {m['timing/gen_wait']:.2f} train {m['timing/train']:.2f} refit {m['timing/refit']:.2f})"
-    )
-
-
-def print_summary(summary: dict) -> None:
-    rewards = summary["reward_by_step"]
-    k = max(1, min(5, len(rewards) // 4))
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    print(
-        f"molt: {summary['steps']} steps in {summary['wall_s']:.0f}s; mean reward first {k} steps {first:.3f}, "
-        f"last {k} steps {last:.3f}; groups dropped {summary['groups_dropped']}; rollouts failed "
-        f"{summary['rollouts_failed']}; export {summary.get('hf_export')}",
-        flush=True,
-    )

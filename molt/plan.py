@@ -22,10 +22,9 @@ class ModelPlan:
     name: str = "tiny"
     # HF-format checkpoint directory. For the tiny models it is generated on first use (molt/tiny.py).
     path: str = "${oc.env:MOLT_CACHE,${oc.env:HOME}/.cache/molt}/tiny-dense-warm300"
-    tiny: Optional[str] = "dense"  # "dense" | "moe" | "vl": build `path` locally if missing; None = user checkpoint
+    tiny: Optional[str] = "dense"  # molt/tiny.py KINDS: build `path` locally if missing; None = user checkpoint
     warm_start_steps: int = 300  # tiny models: supervised steps on the default task first (molt/tiny.py)
     moe: bool = False
-    num_experts: int = 0
     multimodal: bool = False  # a vision-language checkpoint: messages may carry images (molt/data.py)
     dtype: str = "float32"  # actor parameter dtype: float32 | bfloat16
     routing_replay: bool = False  # replay the engine's expert choices in the actor forward
@@ -43,8 +42,7 @@ class ParallelPlan:
     cp_size: int = 1
     ep_size: int = 1
     pp_size: int = 1
-    attention: str = "sdpa"  # sdpa | flash | te ; context parallel needs te
-    sequence_packing: bool = False
+    attention: str = "sdpa"  # molt/models.py ATTENTION
 
 
 @dataclass
@@ -187,7 +185,7 @@ class TrainerPlan:
     micro_batch_size: int = 16  # sequences per micro-batch per rank
     epochs_per_batch: int = 1
     lr: float = 1e-4
-    lr_schedule: str = "constant"  # constant | cosine | linear
+    lr_schedule: str = "constant"  # molt/ranks.py LR_SCHEDULES
     warmup_steps: int = 0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -222,6 +220,9 @@ class LoggerPlan:
     console: bool = True
     eval_every: int = 0  # score the eval split before step 0, every this many steps and at the end; 0 = never
     save_batches: bool = False  # write each step's batch, advantages and loss mask to <run dir>/batches/step_<n>.pt
+    # where the libraries' own logs go (molt/console.py LIBRARY_LOGS): "file" = <run dir>/libraries.log, their
+    # errors on the console too; "console" = all on the console, the actor and engine processes' output included
+    library_logs: str = "file"
 
 
 @dataclass
@@ -261,6 +262,9 @@ class Plan:
 ConfigStore.instance().store(name="molt_schema", node=Plan)
 
 
+_SCHEMA = OmegaConf.structured(Plan)  # built once: building it is half of to_plan's time
+
+
 class PlanError(ValueError):
     """A config that cannot become a plan: unknown key, wrong type, missing value."""
 
@@ -274,7 +278,7 @@ def to_plan(cfg: DictConfig | dict) -> Plan:
         cfg = OmegaConf.to_container(cfg, resolve=False)
     cfg = {k: v for k, v in cfg.items() if k != "hydra"}
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Plan), cfg)
+        merged = OmegaConf.merge(_SCHEMA, cfg)  # merge copies _SCHEMA
         plan = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"

@@ -16,21 +16,15 @@ import random
 import shutil
 import tempfile
 
+from typing import TYPE_CHECKING
+
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    Idefics3Config,
-    Idefics3ForConditionalGeneration,
-    Idefics3Processor,
-    LlamaConfig,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
-from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+if TYPE_CHECKING:  # transformers and tokenizers load in the functions: the validator imports KINDS cheaply
+    from transformers import Idefics3Config, PreTrainedTokenizerFast, Qwen3Config, Qwen3MoeConfig
 
 SEED = 0
+KINDS = ("dense", "moe", "vl")  # model.tiny: build_tiny's models
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # The tokens Idefics3's processor expands an image into (rows/cols name the tiles of a split image).
@@ -139,6 +133,9 @@ def _corpus(rng: random.Random) -> list[str]:
 
 
 def _build_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -167,6 +164,8 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _config(kind: str, tokenizer: PreTrainedTokenizerFast) -> Qwen3Config | Qwen3MoeConfig | Idefics3Config:
+    from transformers import Idefics3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -242,8 +241,8 @@ def build_tiny(kind: str, path: str, warm_start_steps: int = 0) -> str:
     The directory appears atomically (built in a sibling temp dir, then renamed), so a present
     `path/config.json` means a complete checkpoint and concurrent builders are harmless.
     """
-    if kind not in ("dense", "moe", "vl"):
-        raise ValueError(f"model.tiny={kind!r} is not a tiny model; use 'dense', 'moe' or 'vl'")
+    if kind not in KINDS:
+        raise ValueError(f"model.tiny={kind!r} is not a tiny model; use one of {', '.join(KINDS)}")
     if kind == "vl" and warm_start_steps:
         raise ValueError("model.warm_start_steps must be 0 for model.tiny=vl: the warm start is a text task")
     path = os.path.abspath(os.path.expanduser(path))
@@ -251,6 +250,9 @@ def build_tiny(kind: str, path: str, warm_start_steps: int = 0) -> str:
         return path
     if os.path.exists(path) and os.listdir(path):
         raise FileExistsError(f"{path} exists but is not a complete tiny checkpoint; delete it to rebuild")
+
+    from transformers import AutoModelForCausalLM, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)

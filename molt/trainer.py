@@ -46,7 +46,7 @@ class Trainer:
         ]
         try:
             address, port = ray.get(self.workers[0].master_address.remote())
-            self.threads = ray.get([w.setup.remote(address, port) for w in self.workers])  # per rank
+            self.threads = self.on_ranks("setup", address, port)  # torch threads per rank
         except Exception:
             self.shutdown(graceful=False)  # a failed start must not leave ranks holding CPUs or GPUs
             raise
@@ -97,9 +97,9 @@ class Trainer:
         (loss.aggregation), computed here over the whole batch.
 
         Returns the metrics and the old log-probs used [B, T]. Metrics: the loss terms (aggregated with
-        loss_weights), grad_norm, lr, entropy, clip fraction, tokens and timings; for MoE models loss/moe_aux and,
-        given the engine's `routed_experts` [B, T, layers, top_k] (replayed with model.routing_replay),
-        moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term against ref_logprobs;
+        loss_weights), grad_norm, lr, entropy, clip fraction, the importance weights' is/* fractions, tokens and
+        timings; for MoE models loss/moe_aux and, given the engine's `routed_experts` [B, T, layers, top_k]
+        (replayed with model.routing_replay), moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term against ref_logprobs;
         the loop passes the adaptive controller's current value."""
         self._require_trainable("train")
         if old_logprobs is None and self.plan.trainer.epochs_per_batch != 1:

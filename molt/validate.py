@@ -1,30 +1,33 @@
 """The config-time checks: every unsupported combination in a plan, listed at once, before anything starts.
 
-`validate(plan)` is pure: one function from the plan to its problems, reading only the plan and the tables
-below. `check_inputs(plan)` does the checks that need I/O (the agent module, data files, checkpoints); it
-imports the agent module but starts nothing. `molt-run` (molt/cli.py) and `molt-reproduce` (molt/tracking.py)
-list the problems of both and stop before Ray or any model starts. Each message names the offending keys and
-the way out.
+`validate(plan)` is pure: it reads only the plan and the tables below. `check_inputs(plan)` does the checks that
+need I/O (agent module, data files, checkpoints) and starts nothing. Each message names its keys and the way out.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from functools import reduce
 
 from molt.agent import FORMS, load_agent
+from molt.console import LIBRARY_LOGS
 from molt.data import DataError, parse_line, read_lines, validate_row
 from molt.estimators import (CRITIC_ESTIMATORS, ESTIMATORS, FILTER_CRITERIA, GROUP_ESTIMATORS,
                              KL_REWARD_ESTIMATORS, TEACHER_ESTIMATORS)
 from molt.losses import AGGREGATIONS, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from molt.models import ATTENTION
 from molt.placement import PlacementError, layout
 from molt.plan import Plan
+from molt.ranks import LR_SCHEDULES
+from molt.tiny import KINDS
 
 # key -> the values it takes. Lists owned by a module are read from it; the rest are the plan's own.
 CHOICES = {
-    "model.tiny": (None, "dense", "moe", "vl"),  # molt/tiny.py build_tiny; None = a user checkpoint
+    "model.tiny": (None, *KINDS),  # None = a user checkpoint
     "model.dtype": ("float32", "bfloat16"),
     "parallel.device": ("cpu", "cuda"),
-    "parallel.attention": ("sdpa", "flash", "te"),  # as molt/trainer.py ATTENTION
+    "parallel.attention": tuple(ATTENTION),
     "rollout.dtype": ("float32", "bfloat16", "float16"),
     "rollout.logprobs_mode": ("processed_logprobs", "raw_logprobs"),
     # auto: NCCL between GPUs, else gloo through host memory (molt/refit.py refit_backend); gloo: always
@@ -39,7 +42,8 @@ CHOICES = {
     "loss.importance_sampling.level": IS_LEVELS,
     "loss.importance_sampling.mode": IS_MODES,
     "dynamic_filter.criterion": FILTER_CRITERIA,
-    "trainer.lr_schedule": ("constant", "cosine", "linear"),  # as molt/trainer.py LR_SCHEDULES
+    "trainer.lr_schedule": LR_SCHEDULES,
+    "logger.library_logs": LIBRARY_LOGS,
 }
 
 # key -> the interval its value must lie in: "[" and "]" include the bound, "(" and ")" exclude it, so
@@ -47,7 +51,6 @@ CHOICES = {
 MAX_COUNT = "65536"  # nodes, ranks and engines: far above any cluster, and keeps the pure layout() instant
 RANGES = {
     "model.warm_start_steps": "[0, inf)",
-    "model.num_experts": "[0, inf)",
     "parallel.nodes": f"[1, {MAX_COUNT}]",
     "parallel.gpus_per_node": "[0, inf)",
     "parallel.actor_ranks": f"[1, {MAX_COUNT}]",
@@ -113,10 +116,7 @@ RANGES = {
 
 
 def _value(plan: Plan, key: str):
-    value = plan
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
+    return reduce(getattr, key.split("."), plan)
 
 
 def _number(value) -> bool:
@@ -161,10 +161,9 @@ def validate(plan: Plan) -> list[str]:
         """All of `keys` hold values in range, so a rule may compute with them."""
         return not bad.intersection(keys)
 
-    m, par, ro, ag, est, loss, sch = (
-        plan.model, plan.parallel, plan.rollout, plan.agent, plan.estimator, plan.loss, plan.schedule
-    )
-    isc, flt, tr = loss.importance_sampling, plan.dynamic_filter, plan.trainer
+    m, par, ro, ag, est = plan.model, plan.parallel, plan.rollout, plan.agent, plan.estimator
+    loss, sch, flt, tr = plan.loss, plan.schedule, plan.dynamic_filter, plan.trainer
+    isc = loss.importance_sampling
 
     # Pairs.
     need(
@@ -182,44 +181,31 @@ def validate(plan: Plan) -> list[str]:
     )
 
     # Policy versions: tokens sampled by older weights need the per-token correction.
+    stale = [key for key, on in (("schedule.partial_rollout=true", sch.partial_rollout),
+                                 (f"schedule.queue_depth={sch.queue_depth}", sch.queue_depth > 1),
+                                 (f"schedule.refit_every={sch.refit_every}", sch.refit_every > 1)) if on]
     need(
-        isc.enabled or not (sch.partial_rollout or sch.queue_depth > 1),
-        f"schedule.partial_rollout={sch.partial_rollout} / schedule.queue_depth={sch.queue_depth} train on "
-        "tokens sampled by an older policy: set loss.importance_sampling.enabled=true (or schedule=sync)",
+        isc.enabled or not stale,
+        f"{' / '.join(stale)} train on tokens sampled by older weights: set loss.importance_sampling.enabled=true "
+        "(or schedule=sync with schedule.refit_every=1)",
     )
     need(
-        isc.enabled or sch.refit_every <= 1,
-        f"schedule.refit_every={sch.refit_every} trains on tokens sampled by weights up to "
-        f"{sch.refit_every - 1} updates old, in every schedule (sync too): set "
-        "loss.importance_sampling.enabled=true (or schedule.refit_every=1)",
+        not sch.force_on_policy or (sch.queue_depth, sch.partial_rollout, sch.refit_every, tr.epochs_per_batch)
+        == (1, False, 1, 1),
+        "schedule.force_on_policy=true trains each batch once, on the weights that sampled it: it needs "
+        f"schedule.queue_depth=1, schedule.partial_rollout=false, schedule.refit_every=1 and "
+        f"trainer.epochs_per_batch=1 (got {sch.queue_depth}, {str(sch.partial_rollout).lower()}, {sch.refit_every}, "
+        f"{tr.epochs_per_batch})",
     )
-    if sch.force_on_policy:  # every trained token sampled by the weights being updated
-        need(
-            sch.queue_depth == 1 and not sch.partial_rollout,
-            "schedule.force_on_policy=true needs schedule.queue_depth=1 and schedule.partial_rollout=false "
-            "(generation may not run ahead of training)",
-        )
-        need(
-            sch.refit_every == 1,
-            f"schedule.force_on_policy=true needs schedule.refit_every=1 (got {sch.refit_every}): the engines "
-            "must get the new weights after every update",
-        )
-        need(
-            tr.epochs_per_batch == 1,
-            f"schedule.force_on_policy=true maps one batch to one optimizer step: "
-            f"trainer.epochs_per_batch={tr.epochs_per_batch} must be 1",
-        )
     need(
         not (ro.seed_requests and sch.partial_rollout and par.device == "cpu"),
-        "rollout.seed_requests=true with schedule.partial_rollout=true on CPU: vLLM-CPU stops the engine when "
-        "it re-samples a seeded request after a refit (CPU Generator does not use offset); "
-        "set rollout.seed_requests=false",
+        "rollout.seed_requests=true with schedule.partial_rollout=true on CPU: vLLM-CPU stops the engine when it "
+        "re-samples a seeded request after a refit (its CPU Generator has no offset); set rollout.seed_requests=false",
     )
     need(
         not isc.enabled or (ro.top_p == 1.0 and ro.top_k <= 0),
-        f"loss.importance_sampling.enabled=true with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k}: "
-        "truncated sampling changes the engine's log-probabilities away from the trainer's; "
-        "set rollout.top_p=1.0 and rollout.top_k=-1",
+        f"loss.importance_sampling.enabled=true with rollout.top_p={ro.top_p} / rollout.top_k={ro.top_k}: truncated "
+        "sampling changes the engine's log-probabilities away from the trainer's; set rollout.top_p=1.0 and top_k=-1",
     )
     need(
         ro.logprobs_mode == "processed_logprobs" or ro.temperature == 1.0,
@@ -228,9 +214,11 @@ def validate(plan: Plan) -> list[str]:
     )
 
     # Estimators: what each needs is declared next to it (molt/estimators.py).
+    grouped = [key for key, on in ((f"estimator={est.name}", est.name in GROUP_ESTIMATORS),
+                                   ("dynamic_filter.enabled=true", flt.enabled)) if on]
     need(
-        est.name not in GROUP_ESTIMATORS or ro.samples_per_prompt >= 2,
-        f"estimator={est.name} needs a group: rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 2",
+        not grouped or ro.samples_per_prompt >= 2,
+        f"{' and '.join(grouped)} score groups: rollout.samples_per_prompt={ro.samples_per_prompt} must be >= 2",
     )
     need(
         est.name not in CRITIC_ESTIMATORS or plan.critic.enabled,
@@ -242,20 +230,20 @@ def validate(plan: Plan) -> list[str]:
             f"critic.enabled=true with estimator={est.name}, which reads no values: the critic would have no "
             f"returns to learn; set critic.enabled=false (or estimator={' / '.join(sorted(CRITIC_ESTIMATORS))})",
         )
+        need(
+            not loss.kl_in_reward or est.name in KL_REWARD_ESTIMATORS,
+            f"loss.kl_in_reward=true has no effect with estimator={est.name} (per-token rewards reach only "
+            f"{', '.join(sorted(KL_REWARD_ESTIMATORS))}): set loss.kl_in_reward=false to apply KL as a loss term",
+        )
     need(
         est.name not in TEACHER_ESTIMATORS or plan.reference.enabled,
         f"estimator={est.name} needs a teacher: set reference.enabled=true and reference.path",
     )
-    if flt.enabled:
-        need(
-            flt.criterion != "mean_bounds" or flt.low < flt.high,
-            f"dynamic_filter.criterion=mean_bounds keeps groups with a mean reward inside (low, high): "
-            f"dynamic_filter.low={flt.low} must be < dynamic_filter.high={flt.high}",
-        )
-        need(
-            ro.samples_per_prompt >= 2,
-            "dynamic_filter.enabled=true filters on group scores: rollout.samples_per_prompt must be >= 2",
-        )
+    need(
+        not flt.enabled or flt.criterion != "mean_bounds" or flt.low < flt.high,
+        f"dynamic_filter.criterion=mean_bounds keeps groups with a mean reward inside (low, high): "
+        f"dynamic_filter.low={flt.low} must be < dynamic_filter.high={flt.high}",
+    )
 
     # KL: it must reach either the loss or the reward, and needs a reference model.
     need(
@@ -267,13 +255,6 @@ def validate(plan: Plan) -> list[str]:
         "loss.kl_estimator=k1 as a loss term (loss.kl_coef > 0, loss.kl_in_reward=false) has zero expected "
         "gradient: use loss.kl_estimator=k2 or k3, or loss.kl_in_reward=true",
     )
-    if ok("estimator.name"):
-        need(
-            not loss.kl_in_reward or est.name in KL_REWARD_ESTIMATORS,
-            f"loss.kl_in_reward=true has no effect with estimator={est.name} (only "
-            f"{', '.join(sorted(KL_REWARD_ESTIMATORS))} take per-token rewards): set loss.kl_in_reward=false to "
-            "apply KL as a loss term",
-        )
     need(
         loss.kl_target is None or loss.kl_coef > 0,
         f"loss.kl_target={loss.kl_target} steers loss.kl_coef={loss.kl_coef} multiplicatively: set loss.kl_coef > 0 "
@@ -307,33 +288,18 @@ def validate(plan: Plan) -> list[str]:
         par.ep_size == 1 or m.moe,
         f"parallel.ep_size={par.ep_size} on a dense model (model={m.name}): set parallel.ep_size=1",
     )
-    need(not m.moe or m.num_experts >= 2, f"model.moe=true needs model.num_experts >= 2 (got {m.num_experts})")
-    if m.moe and ok("parallel.ep_size", "model.num_experts"):
-        need(
-            m.num_experts % par.ep_size == 0,
-            f"parallel.ep_size={par.ep_size} does not divide model.num_experts={m.num_experts}",
-        )
-    if par.device == "cpu" and par.ep_size > 1:
-        # On CPU expert parallel runs AutoModel's native Qwen3-MoE (molt/trainer.py load_model), which has no
-        # value-head variant for the critic.
-        need(
-            not plan.critic.enabled,
-            f"critic.enabled=true with parallel.ep_size={par.ep_size} on parallel.device=cpu: the critic cannot "
-            "use expert parallel on CPU; set parallel.ep_size=1 (or use parallel.device=cuda)",
-        )
+    # On CPU expert parallel runs AutoModel's native Qwen3-MoE (molt/models.py load_model): no value head, no vision.
+    cpu_ep_blocked = [key for key, on in (("critic.enabled=true", plan.critic.enabled),
+                                          ("model.multimodal=true", m.multimodal)) if on]
     need(
-        par.cp_size == 1 or par.attention == "te",
-        f"parallel.cp_size={par.cp_size} needs parallel.attention=te (context parallel attention)",
+        not (cpu_ep_blocked and par.device == "cpu" and par.ep_size > 1),
+        f"{' and '.join(cpu_ep_blocked)} with parallel.ep_size={par.ep_size} on parallel.device=cpu: expert "
+        "parallel on CPU shards AutoModel's native Qwen3-MoE only; set parallel.ep_size=1 (or parallel.device=cuda)",
     )
     need(
         par.cp_size == 1,
-        f"parallel.cp_size={par.cp_size}: context parallel is not wired into the trainer yet (it needs "
-        "AutoModel's context-parallel batch sharding in the forward); use parallel.cp_size=1",
-    )
-    need(
-        not (par.cp_size > 1 and par.sequence_packing),
-        "parallel.sequence_packing=true with parallel.cp_size > 1: packed batches under context parallel are "
-        "not supported; set parallel.sequence_packing=false",
+        f"parallel.cp_size={par.cp_size}: context parallel is not wired into the trainer yet (it needs AutoModel's "
+        "context-parallel batch sharding in the forward, and parallel.attention=te); use parallel.cp_size=1",
     )
 
     # Forward consistency: MoE routing and multimodal inputs.
@@ -361,10 +327,6 @@ def validate(plan: Plan) -> list[str]:
         f"with parallel.ep_size={par.ep_size} turn them off (or use parallel.ep_size=1)",
     )
     need(
-        not (m.multimodal and par.sequence_packing),
-        "model.multimodal=true with parallel.sequence_packing=true is not supported: set parallel.sequence_packing=false",
-    )
-    need(
         m.tiny is None or m.multimodal == (m.tiny == "vl"),
         f"model.tiny={m.tiny} with model.multimodal={m.multimodal}: only the tiny vision-language model "
         f"(model=tiny_vl) is multimodal",
@@ -378,21 +340,11 @@ def validate(plan: Plan) -> list[str]:
         "model.multimodal=true with critic.enabled=true: there is no value-head class for vision-language "
         "models; use a critic-free estimator (e.g. estimator=grpo)",
     )
-    need(
-        not (m.multimodal and par.device == "cpu" and par.ep_size != 1),
-        f"model.multimodal=true with parallel.ep_size={par.ep_size} on parallel.device=cpu: expert parallel on CPU "
-        f"shards AutoModel's native Qwen3-MoE only; use parallel.ep_size=1",
-    )
 
     # Batch shapes.
     if ok(*parallel_sizes, "trainer.groups_per_step", "rollout.samples_per_prompt", "trainer.micro_batch_size"):
         rollouts, dp = plan.rollouts_per_step, plan.data_parallel_size
-        need(
-            rollouts >= dp,
-            f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} rollouts is smaller than the "
-            f"data-parallel size {dp}",
-        )
-        need(
+        need(  # also refuses fewer rollouts than data-parallel ranks
             rollouts % (tr.micro_batch_size * dp) == 0,
             f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} is not divisible by "
             f"trainer.micro_batch_size x data-parallel size = {tr.micro_batch_size} x {dp}",
@@ -405,12 +357,9 @@ def validate(plan: Plan) -> list[str]:
 
     # Device and placement.
     if par.device == "cpu":
-        for key in ("tp_size", "cp_size"):
-            need(getattr(par, key) == 1, f"parallel.{key}={getattr(par, key)} needs GPUs; on parallel.device=cpu use 1")
-        need(
-            ro.tensor_parallel_size == 1 and ro.data_parallel_size == 1,
-            "rollout.tensor_parallel_size / data_parallel_size > 1 need GPUs; on parallel.device=cpu use 1",
-        )
+        gpu_sizes = [f"{key}={_value(plan, key)}" for key in ("parallel.tp_size", "rollout.tensor_parallel_size",
+                                                              "rollout.data_parallel_size") if _value(plan, key) != 1]
+        need(not gpu_sizes, f"{', '.join(gpu_sizes)} need GPUs; on parallel.device=cpu set them to 1")
         need(m.dtype == "float32", f"model.dtype={m.dtype} on CPU: use float32 so actor and engine logprobs agree")
     if ok("parallel.device", "parallel.nodes", "parallel.gpus_per_node", "parallel.actor_ranks", "rollout.engines",
           "rollout.tensor_parallel_size", "rollout.data_parallel_size"):
@@ -431,10 +380,10 @@ DATA_ROWS_CHECKED = 8  # first rows of a data file checked before launch; the lo
 
 
 def check_inputs(plan: Plan) -> list[str]:
-    """The checks that read files or import code, one message per problem: the agent module and its
-    AgentRunner's form, the first rows of the data files, and user checkpoints. Starts nothing."""
+    """The checks that read files or import code, one message per problem: the agent module and its AgentRunner's
+    form, the first rows of the data files, user checkpoints, and parallel.ep_size against the model's experts."""
     problems = []
-    ag = plan.agent
+    ag, module = plan.agent, None
     if ag.form in FORMS:  # else validate() reports agent.form
         try:
             module = load_agent(ag.path, ag.form)
@@ -444,19 +393,15 @@ def check_inputs(plan: Plan) -> list[str]:
                 f"name or .py file) exporting AgentRunner, a molt.agent.{FORMS[ag.form].__name__} for "
                 f"agent.form={ag.form}"
             )
-        else:
-            for split in ("train", "eval"):
-                used = split == "train" or plan.logger.eval_every > 0  # eval rows are read only to evaluate
-                if used and _value(plan, f"data.{split}_path") is None and not hasattr(module, "dataset"):
-                    problems.append(
-                        f"data.{split}_path is not set and agent module {ag.path} has no dataset(split, size, "
-                        f"seed): set data.{split}_path to a JSONL file"
-                    )
-    for key in ("data.train_path", "data.eval_path"):
+    for split in ("train", "eval"):
+        key = f"data.{split}_path"
         path = _value(plan, key)
-        problem = None if path is None else _data_file_problem(path, plan.data.bad_rows)
-        if problem:
+        used = split == "train" or plan.logger.eval_every > 0  # eval rows are read only to evaluate
+        if path is not None and (problem := _data_file_problem(path, plan.data.bad_rows)):
             problems.append(f"{key}={path}: {problem}")
+        elif path is None and used and module is not None and not hasattr(module, "dataset"):
+            problems.append(f"{key} is not set and agent module {ag.path} has no dataset(split, size, seed): "
+                            f"set {key} to a JSONL file")
 
     checkpoints = [("model.path", plan.model.path)] if plan.model.tiny is None else []  # a tiny one is built
     if plan.reference.enabled and plan.reference.path is not None:
@@ -465,7 +410,25 @@ def check_inputs(plan: Plan) -> list[str]:
         if not os.path.isfile(os.path.join(path, "config.json")):
             where = "no such directory" if not os.path.isdir(path) else "the directory has no config.json"
             problems.append(f"{key}={path}: {where}; set {key} to a Hugging Face checkpoint directory")
+    experts, ep = _num_experts(plan.model.path), plan.parallel.ep_size
+    if experts and ep > 1 and experts % ep:
+        problems.append(f"parallel.ep_size={ep} does not divide the {experts} experts per layer of model.path="
+                        f"{plan.model.path} (its config.json): set parallel.ep_size to a divisor of {experts}")
     return problems
+
+
+def _num_experts(path: str) -> int | None:
+    """Routed experts per MoE layer named by the checkpoint's config.json (or its text_config), if any."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):  # no checkpoint there yet (reported above, or a tiny one is built)
+        return None
+    for section in (config, config.get("text_config")) if isinstance(config, dict) else ():
+        for key in ("num_experts", "n_routed_experts"):  # Qwen MoE, GLM / DeepSeek MoE
+            if isinstance(section, dict) and type(section.get(key)) is int:
+                return section[key]
+    return None
 
 
 def _data_file_problem(path: str, bad_rows: str) -> str | None:

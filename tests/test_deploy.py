@@ -115,7 +115,6 @@ def test_worker_script_without_address_prints_usage():
 
 @pytest.mark.parametrize("parallel, ranks, engines, bundles", [
     ("fsdp8", [0] * 8, [1] * 8, [{"CPU": 8, "GPU": 8}, {"GPU": 8}]),
-    ("tp4_cp2", [0] * 8, [1] * 2, [{"CPU": 8, "GPU": 8}, {"GPU": 8}]),
     ("ep64", [n // 8 for n in range(64)], [8 + n // 2 for n in range(16)],
      [{"CPU": 8, "GPU": 8}] * 8 + [{"GPU": 8}] * 8),
 ])

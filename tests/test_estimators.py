@@ -118,11 +118,6 @@ def test_gae_bootstraps_across_context_tokens_from_the_next_action_value():
     torch.testing.assert_close(returns, torch.tensor([[0.9, 0.0, 0.9]]))
 
 
-def test_gae_without_values_names_the_critic():
-    with pytest.raises(ValueError, match="critic.enabled"):
-        gae(torch.tensor([1.0]), torch.tensor([0]), own(torch.tensor([0])), torch.ones(1, 2, dtype=torch.bool), plan())
-
-
 def test_on_policy_distill_is_scaled_reverse_kl_per_token():
     mask = torch.tensor([[True, True, False]])
     old = torch.tensor([[-1.0, -2.0, -3.0]])
@@ -131,21 +126,12 @@ def test_on_policy_distill_is_scaled_reverse_kl_per_token():
     advantages, _ = on_policy_distill(torch.tensor([0.0]), torch.tensor([0]), own(torch.tensor([0])), mask, plan(distill_coef=0.5),
                                       old_logprobs=old, teacher_logprobs=teacher, kl_penalty=kl)
     torch.testing.assert_close(advantages, torch.tensor([[-0.35, 0.4, 0.0]]))
-    with pytest.raises(ValueError, match="teacher_logprobs"):
-        on_policy_distill(torch.tensor([0.0]), torch.tensor([0]), own(torch.tensor([0])), mask, plan(), old_logprobs=old)
 
 
 def test_rewards_are_clipped_first():
     rewards, groups, mask = one_token_each([100.0, -100.0, 0.5], [0, 1, 2])
     advantages, _ = rloo(rewards, groups, own(groups), mask, plan(reward_clip=[-1.0, 1.0]))
     torch.testing.assert_close(advantages[:, 0], torch.tensor([1.0, -1.0, 0.5]))
-
-
-def test_group_estimators_reject_kl_as_reward():
-    rewards, groups, mask = one_token_each([1.0, 0.0], [0, 0])
-    for estimator in GROUP_BASELINES:
-        with pytest.raises(ValueError, match="loss.kl_in_reward=false"):
-            estimator(rewards, groups, own(groups), mask, plan(), kl_penalty=torch.zeros(2, 1))
 
 
 def test_bad_inputs_fail_early_with_the_reason():

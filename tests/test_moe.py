@@ -169,7 +169,7 @@ def test_routing_agreement_compares_sets_where_recorded():
 
 def make_plan(path, **model):
     plan = Plan()
-    plan.model.path, plan.model.moe, plan.model.num_experts = path, True, EXPERTS
+    plan.model.path, plan.model.moe = path, True
     plan.parallel.actor_ranks = 1
     plan.trainer.micro_batch_size = 2
     plan.trainer.lr = 1e-3

@@ -120,7 +120,6 @@ def test_collate_pads_images_with_all_zero_images():
 def test_validator_rejects_unsupported_multimodal_combinations():
     assert validate(compose_plan("model=tiny_vl", "agent=colors")) == []
     for overrides, key in [
-        (["model=tiny_vl", "parallel.sequence_packing=true"], "model.multimodal=true with parallel.sequence_packing"),
         (["model=tiny_vl", "estimator=gae", "critic.enabled=true"], "model.multimodal=true with critic.enabled=true"),
         (["model=tiny_vl", "model.multimodal=false"], "model.tiny=vl with model.multimodal=False"),
         (["model=tiny_vl", "model.warm_start_steps=10"], "model.warm_start_steps=10 with model.tiny=vl"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import typing
@@ -130,9 +131,9 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def check_listing(plan: Plan) -> None:
-    """validate + check_inputs give messages naming keys; a plan with none can be laid out and micro-batched."""
+    """validate + check_inputs give messages naming plan keys; a plan with none can be laid out and micro-batched."""
     problems = validate(plan) + check_inputs(plan)
-    assert all(isinstance(p, str) and ("=" in p or "." in p) for p in problems), problems
+    assert all(isinstance(p, str) and any(key in p for key in KEYS) for p in problems), problems
     if not problems:
         layout(plan)
         assert plan.rollouts_per_step % (plan.trainer.micro_batch_size * plan.data_parallel_size) == 0
@@ -159,36 +160,41 @@ def test_each_key_at_each_neighbouring_value_gives_a_plan_or_a_listing(inputs):
             check_listing(plan)
 
 
-GROUP_CHOICES = {
-    group: sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
-    for group in ("model", "parallel", "agent", "estimator", "loss", "schedule")
-}
+# Every group under conf/ with its options (conf/experiment links to experiments/).
+GROUPS = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in sorted(Path(CONF_DIR).iterdir()) if d.is_dir()}
+UNKNOWN_KEYS = ["+bogus.key=1", "+trainer.nope=2", "trainer.nope=2", "+model.num_experts=8"]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(
-    groups=st.lists(st.sampled_from(sorted(GROUP_CHOICES)), max_size=2, unique=True),
-    keys=st.lists(st.sampled_from(sorted(KEYS)), min_size=1, max_size=8, unique=True),
+    groups=st.lists(st.sampled_from(sorted(GROUPS)), unique=True),
+    keys=st.lists(st.sampled_from(sorted(KEYS)), max_size=8, unique=True),
     wrong_type=st.booleans(),
+    unknown=st.lists(st.sampled_from(UNKNOWN_KEYS), max_size=1),
     data=st.data(),
 )
-def test_any_overrides_give_a_valid_plan_or_a_listing_never_an_exception(inputs, groups, keys, wrong_type, data):
-    """Sets of overrides through Hydra's compose, as molt-run gets them: combinations the sweep above misses."""
-    args = [f"{group}={data.draw(st.sampled_from(GROUP_CHOICES[group]))}" for group in groups]
-    for key in keys:
-        args.append(override(key, data.draw(st.sampled_from(values_for(key, inputs)), label=key)))
-    wrong = WRONG_TYPE.get(base_type(KEYS[keys[0]]))
+def test_any_groups_and_overrides_give_a_plan_or_a_listing_never_an_exception(inputs, groups, keys, wrong_type,
+                                                                                 unknown, data):
+    """Any options of any groups plus any overrides (values from each key's pool, at most one of a wrong type,
+    maybe an unknown key), through Hydra's compose as molt-run gets them: combinations the sweep above misses.
+    The outcome is an error naming one of the keys or groups set, or a plan that check_listing accepts."""
+    args = [f"{group}={data.draw(st.sampled_from(GROUPS[group]), label=group)}" for group in groups]
+    values = {key: data.draw(st.sampled_from(values_for(key, inputs)), label=key) for key in keys}
+    wrong = WRONG_TYPE.get(base_type(KEYS[keys[0]])) if keys else None
     if wrong_type and wrong:  # at most one, or nearly every set would stop at the schema
-        args[len(groups)] = override(keys[0], data.draw(st.sampled_from(wrong)))
+        values[keys[0]] = data.draw(st.sampled_from(wrong), label="wrong type")
+    args += [override(key, value) for key, value in values.items()] + unknown
+    named = {arg.split("=")[0].lstrip("+") for arg in args}
     try:
         plan = compose_plan(*args)
     except PlanError as e:
-        assert "config key '" in str(e) and "'?'" not in str(e)
+        [key] = re.findall(r"config key '([^']+)'", str(e))
+        assert any(name == key or name.startswith(key + ".") for name in named), (args, e)
         return
-    except (HydraException, OmegaConfBaseException) as e:  # Hydra refuses the override while composing
+    except (HydraException, OmegaConfBaseException) as e:  # Hydra refuses an override while composing
         message = str(e) + str(e.__cause__ or "")
-        assert any(key in message for key in keys), message
+        assert any(name in message for name in named), (args, message)
         return
     check_listing(plan)
 
@@ -243,6 +249,19 @@ def test_a_user_checkpoint_needs_its_config(tmp_path):
     assert check_inputs(compose_plan(f"model.path={tmp_path / 'nowhere'}")) == []  # a tiny model is built there
     [problem] = check_inputs(compose_plan("reference.enabled=true", "reference.path=/no/teacher"))
     assert problem.startswith("reference.path=/no/teacher")
+
+
+def test_expert_parallel_must_divide_the_checkpoints_experts(tmp_path):
+    """The experts per layer are the checkpoint's (config.json, or its text_config for a multimodal model)."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_experts": 6}}))
+    moe = ["model=qwen35b_moe", f"model.path={tmp_path}", "parallel=fsdp8"]
+    [problem] = check_inputs(compose_plan(*moe, "parallel.ep_size=4"))
+    assert problem.startswith("parallel.ep_size=4 does not divide the 6 experts") and "model.path" in problem
+    assert check_inputs(compose_plan(*moe, "parallel.ep_size=2")) == []
+    (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 8}))
+    assert check_inputs(compose_plan(*moe, "parallel.ep_size=4")) == []
+    [problem] = check_inputs(compose_plan(*moe, "parallel.ep_size=3"))
+    assert "the 8 experts" in problem
 
 
 # ---- molt-run, as a new user runs it ---------------------------------------------------------------------
