@@ -18,7 +18,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")  # loss.aggregation
 IS_LEVELS = ("token", "seq", "geo")  # loss.importance_sampling.level
 IS_MODES = ("mask", "clip", "trunc")  # loss.importance_sampling.mode
-MAX_LOG_WEIGHT = 20.0  # |log w| bound of an importance weight, so exp() stays finite in float32
+MAX_LOG_RATIO = 20.0  # |log ratio| bound before exp() (policy ratios, importance weights, KL), finite in float32
 KL_BOUND = 10.0  # |per-token KL estimate| bound (kl_penalty)
 
 
@@ -30,11 +30,11 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
     trainer differentiates): E[∇k1] = E[∇log π] = 0, so k1 is useless as a loss term (the validator refuses
     it; as a reward it is the classic per-token KL penalty); E[∇k2] = ∇KL(π || π_ref); E[∇k3] = ∇KL(π_ref || π),
     the reverse direction (tests/test_losses.py checks all three exactly on a small softmax).
-    Δ is clamped to ±MAX_LOG_WEIGHT (a non-finite Δ counts as 0) so exp() stays finite, and the estimate to
+    Δ is clamped to ±MAX_LOG_RATIO (a non-finite Δ counts as 0) so exp() stays finite, and the estimate to
     ±KL_BOUND: at Δ = −10, k3 would be 22,000 with a gradient of −22,000; bounded, it is 10 with gradient 0,
     so one degenerate token cannot dominate the loss, `kl/policy_ref` or the adaptive KL controller.
     """
-    delta = torch.nan_to_num(logprobs - ref_logprobs, nan=0.0).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    delta = torch.nan_to_num(logprobs - ref_logprobs, nan=0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if estimator == "k1":
         estimate = delta
     elif estimator == "k2":
@@ -75,15 +75,15 @@ def importance_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask
         return torch.ones_like(old_logprobs), {}
     # A NaN log-probability is a broken token: treat it as maximal mismatch so the gate removes it.
     log_w = (old_logprobs - rollout_logprobs).detach().float()
-    log_w = torch.where(loss_mask, torch.nan_to_num(log_w, nan=MAX_LOG_WEIGHT), 0.0)
-    log_w = log_w.clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    log_w = torch.where(loss_mask, torch.nan_to_num(log_w, nan=MAX_LOG_RATIO), 0.0)
+    log_w = log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     tokens_per_seq = loss_mask.sum(1, keepdim=True)
     seq_mean_log_w = log_w.sum(1, keepdim=True) / tokens_per_seq.clamp(min=1)
     if cfg.level == "seq":
         log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
     elif cfg.level == "geo":
         log_w = seq_mean_log_w.expand_as(log_w)
-    weights = log_w.clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT).exp()
+    weights = log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
 
     outside = (weights > cfg.high) if cfg.mode == "trunc" else (weights < cfg.low) | (weights > cfg.high)
     if cfg.mode == "mask":
@@ -133,7 +133,7 @@ def mismatch_metrics(rollout_logprobs: Tensor, old_logprobs: Tensor, action_mask
     k3 estimates KL(π_rollout || π_old) from the tokens the engine sampled.
     """
     rollout_logprobs, old_logprobs = rollout_logprobs.detach().float(), old_logprobs.detach().float()
-    delta = torch.where(action_mask, rollout_logprobs - old_logprobs, 0.0).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+    delta = torch.where(action_mask, rollout_logprobs - old_logprobs, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     abs_delta = delta.abs()
     return {
         "mismatch/abs_mean": _masked_mean(abs_delta, action_mask),
@@ -163,7 +163,7 @@ def gspo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: 
 def cispo(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor,
           cfg: LossPlan) -> tuple[Tensor, Tensor]:
     """CISPO: −sg(min(ρ, cispo_max_weight))·A·log π: every token keeps its gradient, its weight is capped."""
-    ratio = (logprobs - old_logprobs).detach().clamp(-cfg.logratio_clamp, cfg.logratio_clamp).exp()
+    ratio = (logprobs - old_logprobs).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
     clipped = ratio > cfg.cispo_max_weight
     weight = ratio.clamp(max=cfg.cispo_max_weight)
     return -weight * advantages * logprobs, clipped
@@ -186,7 +186,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, loss
     per_token, clipped = POLICY_LOSSES[cfg.name](logprobs, old_logprobs, advantages, loss_mask, cfg)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
-    log_ratio = (logprobs - old_logprobs).detach().clamp(-cfg.logratio_clamp, cfg.logratio_clamp)
+    log_ratio = (logprobs - old_logprobs).detach().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.where(loss_mask, log_ratio.exp(), 0.0)
     metrics = {
         "loss/clip_frac": _fraction(clipped & loss_mask, loss_mask),
@@ -265,7 +265,7 @@ def adaptive_kl_coef(coef: float, observed_kl: float, num_samples: int, cfg: Los
 def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, cfg: LossPlan) -> tuple[Tensor, Tensor]:
     """−min(ρA, clip(ρ, 1−clip_low, 1+clip_high)·A), bounded by dual_clip·|A| when A < 0.
     Returns the per-token loss and where a clip was active."""
-    ratio = log_ratio.clamp(-cfg.logratio_clamp, cfg.logratio_clamp).exp()
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * advantages
     loss = torch.maximum(unclipped, clipped)

@@ -41,7 +41,7 @@ def load_model(plan: Plan, path: str, value_head: bool = False):
         # Parameters, gradients and the optimizer step in host memory; on CPU they are there already.
         offload_policy=CPUOffloadPolicy() if plan.trainer.optimizer_offload and p.device == "cuda" else None,
     )
-    sizes = ParallelismSizes(dp_size=plan.data_parallel_size, tp_size=p.tp_size, ep_size=p.ep_size)
+    sizes = ParallelismSizes(dp_size=plan.actor_dp_size, tp_size=p.tp_size, ep_size=p.ep_size)
     checkpointing = plan.trainer.gradient_checkpointing
     options = dict(dtype=dtype, attn_implementation=ATTENTION[p.attention])
     if value_head:

@@ -130,7 +130,6 @@ class LossPlan:
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
     cispo_max_weight: float = 5.0
-    logratio_clamp: float = 20.0  # |log ratio| bound before exp(), for every ratio and KL estimate
     # How per-token losses become the step's loss (molt/losses.py token_weights): token_mean (over the
     # step's loss tokens) | seq_mean_token_mean (per rollout, then over rollouts) | seq_mean_token_sum
     # (per rollout, sum / agent.max_turns x agent.max_tokens_per_turn, then over rollouts; Dr. GRPO)
@@ -249,7 +248,8 @@ class Plan:
     recipe: Optional[str] = None  # set by experiments/<name>.yaml, recorded for tracking
 
     @property
-    def data_parallel_size(self) -> int:
+    def actor_dp_size(self) -> int:
+        """The trainer's data-parallel size (rollout.data_parallel_size is vLLM's, inside one engine)."""
         p = self.parallel
         return max(1, p.actor_ranks // (p.tp_size * p.cp_size * p.pp_size))
 

@@ -65,7 +65,7 @@ class Trainer:
         data = dict(token_ids=batch.token_ids, attention_mask=batch.attention_mask,
                     action_mask=batch.action_mask, **tensors)
         data.update({name: getattr(batch, name) for name in IMAGE_INPUTS if getattr(batch, name) is not None})
-        pad = -len(batch) % self.plan.data_parallel_size
+        pad = -len(batch) % self.plan.actor_dp_size
         if pad:
             rows = torch.cat([torch.arange(len(batch)), torch.zeros(pad, dtype=torch.long)])
             data = {k: None if v is None else v[rows] for k, v in data.items()}

@@ -84,7 +84,6 @@ RANGES = {
     "loss.clip_high": "[0, 1)",
     "loss.dual_clip": "(1, inf)",
     "loss.cispo_max_weight": "[1, inf)",
-    "loss.logratio_clamp": "(0, inf)",
     "loss.kl_coef": "[0, inf)",
     "loss.kl_target": "(0, inf)",
     "loss.kl_horizon": "[1, inf)",
@@ -343,7 +342,7 @@ def validate(plan: Plan) -> list[str]:
 
     # Batch shapes.
     if ok(*parallel_sizes, "trainer.groups_per_step", "rollout.samples_per_prompt", "trainer.micro_batch_size"):
-        rollouts, dp = plan.rollouts_per_step, plan.data_parallel_size
+        rollouts, dp = plan.rollouts_per_step, plan.actor_dp_size
         need(  # also refuses fewer rollouts than data-parallel ranks
             rollouts % (tr.micro_batch_size * dp) == 0,
             f"trainer.groups_per_step x rollout.samples_per_prompt = {rollouts} is not divisible by "

@@ -145,7 +145,6 @@ RULES = [
     (["loss.importance_sampling.seq_gate=[0.5]"], ["loss.importance_sampling.seq_gate=[0.5,2.0]"], "loss.importance_sampling.seq_gate"),
     (["loss.importance_sampling.low=1.5"], ["loss.importance_sampling.low=0.5"], "loss.importance_sampling.low"),
     (["loss.importance_sampling.high=0.5"], ["loss.importance_sampling.high=2.0"], "loss.importance_sampling.high"),
-    (["loss.logratio_clamp=0"], ["loss.logratio_clamp=20"], "loss.logratio_clamp"),
     (["loss.clip_low=1.5"], ["loss.clip_low=0.2"], "loss.clip_low"),
     (["loss=gspo", "loss.clip_high=-0.1"], ["loss.clip_high=0.0004"], "loss.clip_high"),
     (["trainer.betas=[0.9,1.0]"], ["trainer.betas=[0.9,0.99]"], "trainer.betas"),

@@ -136,7 +136,7 @@ def check_listing(plan: Plan) -> None:
     assert all(isinstance(p, str) and any(key in p for key in KEYS) for p in problems), problems
     if not problems:
         layout(plan)
-        assert plan.rollouts_per_step % (plan.trainer.micro_batch_size * plan.data_parallel_size) == 0
+        assert plan.rollouts_per_step % (plan.trainer.micro_batch_size * plan.actor_dp_size) == 0
 
 
 def test_each_key_at_each_neighbouring_value_gives_a_plan_or_a_listing(inputs):
