@@ -46,7 +46,7 @@ def launch(plan: Plan, run_dir: str) -> dict:
     if plan.dry_run:
         print("molt: plan is valid (dry run: nothing started)")
         return {}
-    from molt.loop import train  # Ray, vLLM and torch load only for a real launch
+    from molt.loop import train  # the engines' and trainers' code loads only for a real launch
     from molt.placement import PlacementError
 
     try:

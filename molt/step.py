@@ -4,7 +4,7 @@
     the critic's values -> advantages (molt/estimators.py) -> the loss and the optimizer step on the trainer
     ranks (molt/ranks.py, molt/losses.py) -> [the critic's step] -> refit: the engines load the new weights
 
-Every stage's wall time is a `timing/*` metric.
+Each stage's wall time is a `timing/*` metric; the loop adds the wait for the batch and the refit's.
 """
 
 from __future__ import annotations
