@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from molt.plan import CONF_DIR, Plan, PlanError, plan_to_yaml, to_plan
+from molt.validate import check_inputs, validate
 
 
 def _reject(message: str) -> None:
@@ -32,11 +33,6 @@ def launch(plan: Plan, run_dir: str) -> dict:
     """Validate the plan and check its inputs (agent module, data files, checkpoints); unless plan.dry_run,
     then import the heavy stack and train. Returns the run summary ({} for a dry run). Raises PlanError,
     with every problem listed, when nothing was started."""
-    from molt.console import route_library_logs
-
-    route_library_logs(plan.logger.library_logs, run_dir)  # first: importing the stack logs already
-    from molt.validate import check_inputs, validate
-
     problems = validate(plan) + check_inputs(plan)  # check_inputs imports the agent and reads the data files
     if plan.dry_run:
         print(plan_to_yaml(plan))
@@ -46,6 +42,9 @@ def launch(plan: Plan, run_dir: str) -> dict:
     if plan.dry_run:
         print("molt: plan is valid (dry run: nothing started)")
         return {}
+    from molt.console import route_library_logs
+
+    route_library_logs(plan.logger.library_logs, run_dir)  # first: importing the stack logs already
     from molt.loop import train  # the engines' and trainers' code loads only for a real launch
     from molt.placement import PlacementError
 
