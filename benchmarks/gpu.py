@@ -129,13 +129,9 @@ async def measure(batch, batches: int, gpus: int, deadline: float) -> float:
 
 async def bare(plan, prompts: list[list[int]], setting: dict, gpus: int, deadline: float) -> tuple[float, float]:
     """Part 1: returns the engine start time and the median tokens/s."""
-    from molt.generator import prepare_engine
-
-    # The Generator's engine arguments; on CPU this sets vLLM-CPU's variables, so it comes before importing vLLM.
-    engine_args = prepare_engine(plan.model.path, plan.rollout, plan.parallel.device, plan.seed)
-    from vllm import AsyncEngineArgs, SamplingParams
+    from molt.generator import start_engine
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     r = plan.rollout
     # As molt's engine samples (molt/generator.py): Generator.generate has no ignore_eos, so neither has
@@ -143,7 +139,7 @@ async def bare(plan, prompts: list[list[int]], setting: dict, gpus: int, deadlin
     params = SamplingParams(max_tokens=setting["max_tokens"], temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     started = time.perf_counter()
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+    llm = start_engine(plan.model.path, plan.rollout, plan.parallel.device, plan.seed)  # as the loop's engine
     start_s = time.perf_counter() - started
     print(f"  engine start: {start_s:.1f} s", flush=True)
 

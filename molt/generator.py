@@ -15,6 +15,7 @@ process group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import sys
@@ -53,9 +54,10 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int
     if repeated:
         raise ValueError(f"rollout.engine_args repeats {repeated}; set them as rollout.<name> instead")
     if device == "cpu":
-        if rollout.kv_cache_gib != int(rollout.kv_cache_gib) or rollout.kv_cache_gib < 1:
-            raise ValueError(f"rollout.kv_cache_gib={rollout.kv_cache_gib}: vLLM-CPU needs whole GiB >= 1")
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(rollout.kv_cache_gib))
+        engine_args["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
+        # vLLM-CPU gives even a single model worker a process of its own unless this is 0; with 0 that worker
+        # runs inside the engine-core process AsyncLLM spawns anyway: one process (~0.8 GiB RSS) fewer.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rollout.cpu_omp_threads_bind
         if rollout.cpu_reserved_cores is not None:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(rollout.cpu_reserved_cores)
@@ -73,17 +75,30 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int
     return dict(model=model_path, seed=seed, **engine_args, **rollout.engine_args)
 
 
+def start_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int, return_routes: bool = False):
+    """A started vLLM `AsyncLLM` for this plan (prepare_engine's arguments and environment)."""
+    engine_args = prepare_engine(model_path, rollout, device, seed, return_routes)
+    from vllm import AsyncEngineArgs
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    config = AsyncEngineArgs(**engine_args).create_engine_config()
+    threads = contextlib.nullcontext()
+    if device == "cpu" and config.parallel_config.distributed_executor_backend == "uni":
+        # The model worker runs inside the engine-core process (prepare_engine): that process gets the
+        # OpenMP threads and binding (rollout.cpu_omp_threads_bind) vLLM gives a worker process.
+        threads = OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0)
+    with threads:
+        return AsyncLLM.from_vllm_config(config)
+
+
 @ray.remote
 class RolloutEngine:
     """One vLLM `AsyncLLM` in its own Ray actor process."""
 
     async def start(self, model_path: str, rollout: RolloutPlan, device: str, seed: int,
                     return_routes: bool = False) -> None:
-        engine_args = prepare_engine(model_path, rollout, device, seed, return_routes)
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        self.llm = start_engine(model_path, rollout, device, seed, return_routes)
         await self.llm.update_weight_version("0")  # vLLM labels the loaded weights "default"
 
     async def gpus(self) -> list[Optional[str]]:

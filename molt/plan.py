@@ -53,7 +53,7 @@ class RolloutPlan:
     enable_expert_parallel: bool = False
     dtype: str = "float32"
     gpu_memory_utilization: float = 0.1  # on CPU: fraction of host memory vLLM reserves
-    kv_cache_gib: float = 1.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    kv_cache_gib: float = 1.0  # on CPU: vLLM's kv_cache_memory_bytes, in GiB
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
     max_model_len: int = 512

@@ -3,7 +3,6 @@ module by the tests that need them, and stopped at the module's end), and an asy
 the tests that drive async servers from sync code."""
 
 import asyncio
-import os
 
 import pytest
 import ray
@@ -11,7 +10,6 @@ import ray
 
 @pytest.fixture(scope="session")
 def local_ray():
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # address="local": a fresh instance even if a `ray start` cluster runs on this machine
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
