@@ -37,10 +37,12 @@ MODELS = {
 SAMPLES, MICRO_BATCH, LR = 8, 32, 3e-4  # rollout.samples_per_prompt, trainer.micro_batch_size, trainer.lr (cpu.yaml)
 ASYMMETRIES = """\
 asymmetries:
-  generation   Molt: vLLM-CPU engine in its own processes, overlapped with training (async, queue depth 2);
-               TRL: Hugging Face generate() in the trainer process, then training (synchronous).
-  threads      Molt's trainer rank is a Ray actor with OMP_NUM_THREADS=1, the engine binds its own core(s);
-               TRL trains and generates in one process with torch's default threads (all cores).
+  generation   Molt: a vLLM-CPU engine in its own processes; sync generates, then trains; async generates the
+               next batch while training (queue depth 2). TRL: Hugging Face generate() in the trainer
+               process, then training (synchronous).
+  threads      Molt's engine binds one core (vLLM's auto binding); its trainer rank trains on both cores in
+               sync and on the other core in async (molt/placement.py rank_threads). TRL trains and
+               generates in one process with torch's default threads (all cores).
   log-probs    both take the old log-probs from the training forward (one pass over each batch).
   correction   Molt applies token-level importance correction for the engine/actor mismatch; TRL has none.
   data order   the same rows, each framework's own shuffle.
@@ -150,6 +152,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: per model)")
     parser.add_argument("--reward", type=float, help="mean reward to reach (default: 0.75 for tiny)")
     parser.add_argument("--repeats", type=int, default=1, help="Molt and TRL runs, alternating")
+    parser.add_argument("--schedule", choices=["sync", "async"], default="sync",
+                        help="Molt's schedule (README: sync is the one to pick on 2 cores)")
     parser.add_argument("--trl-child", help=argparse.SUPPRESS)  # internal: the TRL run, given the model path
     parser.add_argument("--groups", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, help=argparse.SUPPRESS)
@@ -162,7 +166,7 @@ def main() -> None:
     cfg["reward"] = args.reward if args.reward is not None else cfg["reward"]
     path = model_path(args.model)
     root = tempfile.mkdtemp(prefix="molt-bench-trl-")
-    overrides = ["estimator=grpo", "schedule=async", f"trainer.steps={cfg['steps']}",
+    overrides = ["estimator=grpo", f"schedule={args.schedule}", f"trainer.steps={cfg['steps']}",
                  f"trainer.groups_per_step={cfg['groups']}", f"rollout.samples_per_prompt={SAMPLES}",
                  f"trainer.micro_batch_size={MICRO_BATCH}", f"trainer.lr={LR}", "trainer.lr_schedule=constant",
                  *cfg["overrides"]]
@@ -175,7 +179,7 @@ def main() -> None:
 
     print(f"\nmodel={args.model} ({path}), {cfg['steps']} steps, {cfg['groups']} prompts x {SAMPLES} samples per step, "
           f"up to {cfg['max_tokens']} tokens per answer; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'':44}{'Molt (async)':>16}{'TRL GRPO':>16}{'Molt / TRL':>12}   (medians of {args.repeats})")
+    print(f"{'':44}{f'Molt ({args.schedule})':>16}{'TRL GRPO':>16}{'Molt / TRL':>12}   (medians of {args.repeats})")
     for name in runs[0]:
         ours, theirs = (median([run[name][side] for run in runs]) for side in (0, 1))
         ratio = f"{ours / theirs:12.2f}" if ours and theirs else f"{'':12}"

@@ -178,7 +178,10 @@ class RolloutEngine:
         # "keep" freezes in-flight requests (partial rollout); clearing the cache makes them recompute their
         # KV with the new weights on resume and stops new requests from reusing prefixes computed by the old
         # ones. "wait" lets in-flight requests finish on the old weights first.
-        await self.llm.pause_generation(mode="keep" if keep_requests else "wait", clear_cache=True)
+        # AsyncLLM.pause_generation's body without its closing 20 ms sleep, which only orders the last outputs
+        # before its return ("not required for correctness"): weight versions are stamped in the engine core.
+        await self.llm.renderer.clear_mm_cache_async()
+        await self.llm.engine_core.pause_scheduler_async(mode="keep" if keep_requests else "wait", clear_cache=True)
 
     async def update_weights(self, version: int) -> None:
         """Receive a refit from the group's sender (it must be sending) and label the weights `version`."""
