@@ -46,7 +46,7 @@ asymmetries:
   log-probs    both take the old log-probs from the training forward (one pass over each batch).
   correction   Molt applies token-level importance correction for the engine/actor mismatch; TRL has none.
   data order   the same rows, each framework's own shuffle.
-  (aligned: gradient checkpointing off in both; TRL's default is on)"""
+  (aligned: float32 and gradient checkpointing off in both; TRL's defaults are bf16 autocast and on)"""
 
 
 def model_path(name: str) -> str:
@@ -90,8 +90,10 @@ def run_trl(path: str, cfg: dict) -> dict:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     peak = {"rss": 0.0, "pss": 0.0, "largest": 0.0, "largest_name": ""}
+    samples = 0
     while proc.poll() is None:
-        sample_memory(proc.pid, peak, {})
+        sample_memory(proc.pid, peak, {}, pss=samples % 10 == 0)  # PSS every 5 s, as run_molt reads a Molt run
+        samples += 1
         time.sleep(0.5)
     reader.join(timeout=10)
     if proc.returncode != 0 or len(steps) != cfg["steps"]:
@@ -126,6 +128,7 @@ def trl_child(args) -> None:
         num_generations=SAMPLES, max_completion_length=args.max_tokens, temperature=1.0, beta=0.0,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         gradient_checkpointing=False,  # TRL's default is on; Molt's trainer.gradient_checkpointing is off
+        bf16=False,  # TRL's default is bf16 autocast, on this CPU too (AVX512-BF16); Molt trains in float32
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
     )
     trainer = GRPOTrainer(
