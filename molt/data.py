@@ -25,6 +25,7 @@ they are and only messages added since are rendered and appended.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import re
@@ -211,6 +212,19 @@ def render(tokenizer, messages: list[dict], tools: Optional[list[dict]], add_gen
     return text
 
 
+@functools.lru_cache(maxsize=4)
+def template_closing(tokenizer, chat_template: bool = True) -> str:
+    """What the template writes after an assistant message's content (ChatML: "<|im_end|>\n"). Rendered once
+    per tokenizer (its template does not change during a run), not once per rollout: on short answers the
+    render was a third of the driver's busy time."""
+    probe = "MOLT-PROBE"
+    text = render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}], None, False,
+                  chat_template)
+    if probe not in text:
+        raise ValueError("the chat template drops assistant messages; Molt cannot continue a conversation with it")
+    return text[text.rindex(probe) + len(probe):]
+
+
 def render_prompt(tokenizer, messages: list[dict], tools: Optional[list[dict]],
                   chat_template: bool = True) -> list[int]:
     """The engine prompt for a conversation: the chat template with the generation prompt, tokenized."""
@@ -370,12 +384,7 @@ class Conversation:
         self.messages: list[dict] = []  # what the current segment's ids stand for, ending with the last reply
         self.tools: Optional[list[dict]] = None
         self.tail = ""  # template text after the last reply that the model did not sample (ChatML: "\n")
-        # What the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
-        probe = "MOLT-PROBE"
-        text = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": probe}], None, False)
-        if probe not in text:
-            raise ValueError("the chat template drops assistant messages; Molt cannot continue a conversation with it")
-        self.closing = text[text.rindex(probe) + len(probe):]
+        self.closing = template_closing(tokenizer, chat_template)
 
     def _render(self, messages, tools, add_generation_prompt) -> str:
         return render(self.tokenizer, messages, tools, add_generation_prompt, self.chat_template)

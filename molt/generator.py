@@ -116,9 +116,6 @@ class RolloutEngine:
 
         await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dataclasses.asdict(group)))
 
-    async def is_paused(self) -> bool:
-        return await self.llm.is_paused()
-
     async def generate(
         self,
         prompt_ids: list[int],
@@ -244,6 +241,7 @@ class Generator:
         self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
         self.calls: set[asyncio.Task] = set()  # the batched Ray calls in flight (asyncio keeps weak references)
         self.refit_connected = False
+        self.paused = False  # by pause() until resume(); nothing else pauses these engines
 
     @classmethod
     async def start(cls, plan: Plan, placement: Optional[list] = None) -> "Generator":
@@ -319,6 +317,7 @@ class Generator:
         """Stop scheduling. keep_requests (partial rollout) freezes in-flight requests so they continue on
         the next weights; otherwise they run to completion on the current ones before this returns."""
         await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
+        self.paused = True
 
     async def connect_refit(self, group, join: Callable[[Any], Awaitable]) -> Any:
         """Form the refit group (molt/refit.py) once: `group` is the sender's `RefitGroup.offer`,
@@ -347,7 +346,7 @@ class Generator:
         bucket's broadcast waits for all ranks."""
         if not self.refit_connected:
             raise RuntimeError("update_weights needs the refit group: call connect_refit() first")
-        if not all(await asyncio.gather(*(e.is_paused.remote() for e in self.engines))):
+        if not self.paused:
             raise RuntimeError("update_weights needs paused engines: call pause() first")
         sent, *received = await asyncio.gather(send(), *(e.update_weights.remote(version) for e in self.engines),
                                                return_exceptions=True)  # each side fails at once when a peer dies
@@ -359,6 +358,7 @@ class Generator:
 
     async def resume(self) -> None:
         await asyncio.gather(*(e.resume.remote() for e in self.engines))
+        self.paused = False
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(e.shutdown.remote() for e in self.engines), return_exceptions=True)

@@ -51,12 +51,15 @@ class RolloutPool:
         self.dropped: Counter[str] = Counter()  # groups, by reason
         self.failed: Counter[str] = Counter()  # rollouts, by reason
         self.finished_rollouts = 0
+        self.order_epoch, self.order = -1, []  # the shuffled row order of the pass row() last read
 
     def row(self, index: int) -> dict:
         """The row at stream position `index`: each pass over the data is a fresh seeded shuffle."""
         epoch, offset = divmod(index, len(self.rows))
-        order = random.Random(self.plan.seed * 100003 + epoch).sample(range(len(self.rows)), len(self.rows))
-        return self.rows[order[offset]]
+        if epoch != self.order_epoch:  # one shuffle per pass, not per row: it is O(rows)
+            self.order_epoch = epoch
+            self.order = random.Random(self.plan.seed * 100003 + epoch).sample(range(len(self.rows)), len(self.rows))
+        return self.rows[self.order[offset]]
 
     def fill(self) -> None:
         while self.accepted + len(self.running) < self.allowed:

@@ -1,9 +1,12 @@
 """The prompt-group pool without an engine: dynamic filtering drops degenerate groups and backfills them, so
-every step trains on trainer.groups_per_step complete groups."""
+every step trains on trainer.groups_per_step complete groups; the shuffled prompt stream."""
 
 from __future__ import annotations
 
 import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from molt.pool import RolloutPool
 from molt.trace import Trajectory
@@ -40,3 +43,17 @@ def test_degenerate_groups_are_dropped_and_backfilled_to_a_full_step():
     assert pool.dropped["zero_spread"] >= 2  # 4 of the first 10 prompts are degenerate: replaced by later ones
     trained = [g.index for groups in batches for g in groups]
     assert len(set(trained)) == 8
+
+
+@settings(max_examples=50, deadline=None)
+@given(n_rows=st.integers(1, 30), indices=st.lists(st.integers(0, 119), max_size=60))
+def test_each_pass_visits_every_row_once_whatever_the_order_rows_are_asked_in(n_rows, indices):
+    """row(i) depends on i alone: asked in any order (a resumed run re-issues old groups between new
+    ones), the same index gives the same row, and every pass over the data is a permutation of it."""
+    plan = valid_plan()
+    rows = [{"prompt_ids": [n], "label": n} for n in range(n_rows)]
+    expected = [RolloutPool(plan, rows, run_rollout=None).row(i)["label"] for i in range(120)]  # no history
+    for start in range(0, 120 - n_rows + 1, n_rows):
+        assert sorted(expected[start : start + n_rows]) == list(range(n_rows))
+    pool = RolloutPool(plan, rows, run_rollout=None)
+    assert [pool.row(i)["label"] for i in indices] == [expected[i] for i in indices]
