@@ -42,6 +42,9 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 CACHE = os.environ.get("MOLT_CACHE", os.path.expanduser("~/.cache/molt"))
 SKIP = 2  # steps left out of steady-state numbers: engine warm-up, and async's head start at step 1
 GIB = 2**30
+# Reading a run's PSS (smaps_rollup of every process) costs ~0.09 s of CPU here: done every 0.5 s it took ~18 % of
+# a core from the run it measured. RSS and CPU times are cheap and read at every sample.
+PSS_EVERY_S = 5.0
 
 # Every run: its own new local Ray (without "local" ray.init joins any cluster a `ray start` or a test's
 # ray.cluster_utils.Cluster left registered in /tmp/ray), console logging, no HF export (after the last step).
@@ -81,10 +84,7 @@ def run_molt(overrides: list[str], run_dir: str, code: str = ROOT) -> dict:
     names: dict[int, str] = {}
     try:
         while proc.poll() is None:
-            # PSS (smaps_rollup) costs ~0.09 s of CPU per sample of a run's processes: read it every 5 s only,
-            # so that the watching does not slow the run it measures
-            pss = len(cpu_samples) % 10 == 0
-            cpu_samples.append((time.perf_counter() - launched, sample_memory(proc.pid, peak, names, pss)))
+            cpu_samples.append((time.perf_counter() - launched, sample_memory(proc.pid, peak, names)))
             time.sleep(0.5)
     finally:
         if proc.poll() is None:  # interrupted: stop the run and everything it started
@@ -109,20 +109,20 @@ def cores_used(cpu_samples: list, start: float, end: float) -> dict[str, float]:
     return cores
 
 
-def sample_memory(pid: int, peak: dict, names: dict[int, str], pss: bool = True) -> dict[int, tuple[str, float]]:
-    """Update peak with the process tree's summed RSS, PSS (only if `pss`: it is the expensive read) and its
-    largest process (GiB); returns each process's name (Ray workers without their current method) and CPU
-    seconds so far. `names` keeps the ray::/VLLM:: name a process had once: a Ray worker's title is not
-    always readable."""
+def sample_memory(pid: int, peak: dict, names: dict[int, str]) -> dict[int, tuple[str, float]]:
+    """Update peak with the process tree's summed RSS, PSS (at most every PSS_EVERY_S) and its largest process
+    (GiB); returns each process's name (Ray workers without their current method) and CPU seconds so far.
+    `names` keeps the ray::/VLLM:: name a process had once: a Ray worker's title is not always readable."""
+    read_pss = time.monotonic() - peak.get("pss_read_at", -PSS_EVERY_S) >= PSS_EVERY_S
     try:
         processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         return {}
-    rss = pss_sum = 0.0
+    rss = pss = 0.0
     cpu = {}
     for p in processes:
         try:
-            info = p.memory_full_info() if pss else p.memory_info()
+            info = p.memory_full_info() if read_pss else p.memory_info()
             args, times = p.cmdline() or [p.name()], p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -133,10 +133,12 @@ def sample_memory(pid: int, peak: dict, names: dict[int, str], pss: bool = True)
         else:  # Ray's helper processes by their script, binaries by their name
             name = names.get(p.pid) or os.path.basename(next((a for a in args[1:] if a.endswith(".py")), args[0]))
         cpu[p.pid] = (name, times.user + times.system)
-        rss, pss_sum = rss + info.rss / GIB, pss_sum + (info.pss / GIB if pss else 0.0)
+        rss, pss = rss + info.rss / GIB, pss + (info.pss / GIB if read_pss else 0.0)
         if info.rss / GIB > peak["largest"]:
             peak["largest"], peak["largest_name"] = info.rss / GIB, name
-    peak["rss"], peak["pss"] = max(peak["rss"], rss), max(peak["pss"], pss_sum)
+    peak["rss"] = max(peak["rss"], rss)
+    if read_pss:
+        peak["pss"], peak["pss_read_at"] = max(peak["pss"], pss), time.monotonic()
     return cpu
 
 

@@ -90,10 +90,8 @@ def run_trl(path: str, cfg: dict) -> dict:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     peak = {"rss": 0.0, "pss": 0.0, "largest": 0.0, "largest_name": ""}
-    samples = 0
     while proc.poll() is None:
-        sample_memory(proc.pid, peak, {}, pss=samples % 10 == 0)  # PSS every 5 s, as run_molt reads a Molt run
-        samples += 1
+        sample_memory(proc.pid, peak, {})
         time.sleep(0.5)
     reader.join(timeout=10)
     if proc.returncode != 0 or len(steps) != cfg["steps"]:
