@@ -131,6 +131,7 @@ async def bare(plan, prompts: list[list[int]], setting: dict, gpus: int, deadlin
     """Part 1: returns the engine start time and the median tokens/s."""
     from molt.generator import start_engine
     from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
     r = plan.rollout
@@ -144,7 +145,7 @@ async def bare(plan, prompts: list[list[int]], setting: dict, gpus: int, deadlin
     print(f"  engine start: {start_s:.1f} s", flush=True)
 
     async def one(prompt_ids: list[int], request_id: str) -> int:
-        async for output in llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+        async for output in llm.generate(tokens_input(prompt_ids), params, request_id):  # as RolloutEngine
             pass
         return len(output.outputs[0].token_ids)
 
@@ -229,6 +230,7 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
     started = time.perf_counter()
     pg = await generator.connect_refit(RefitGroup.offer(model.state_dict().items(), device, timeout_s=120), join_here)
     group = joined["group"]
+    bucket = group.wire_bucket(device)
     print(f"  group: {group.backend}, {group.world_size} ranks, sender on {device}, formed in "
           f"{time.perf_counter() - started:.2f} s; {sum(group.sizes()) / 1e6:.0f} MB per refit", flush=True)
     seconds = []
@@ -239,7 +241,7 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
         started = time.perf_counter()
         await generator.pause(keep_requests=False)
         await generator.update_weights(
-            version, lambda: asyncio.to_thread(send, pg, group, model.state_dict().items(), device))
+            version, lambda: asyncio.to_thread(send, pg, group, model.state_dict().items(), bucket))
         await generator.resume()
         seconds.append(time.perf_counter() - started)
     print(f"  refit (pause, broadcast + load, resume): median {statistics.median(seconds):.3f} s of {refits}, "

@@ -156,15 +156,19 @@ def steady(run: dict) -> dict:
         "logprobs": mean("timing/logprobs"),
         "train forward": mean("time/forward_s"),
         "train backward": mean("time/backward_s"),
-        "train rest (Ray call, optimizer, all-reduce)": mean("timing/train") - mean("time/forward_s")
-        - mean("time/backward_s"),
+        "train optimizer (clip, step)": mean("time/optimizer_s"),
+        "train rest (Ray call, metrics all-reduce)": mean("timing/train") - mean("time/forward_s")
+        - mean("time/backward_s") - mean("time/optimizer_s"),
         "advantage": mean("timing/advantage"),
-        "refit": mean("timing/refit"),
+        # In "wait" mode the pause lets in-flight requests finish on the old weights: generation the step waits for.
+        "refit drain (generation the refit waits for)": mean("timing/refit_drain"),
+        "refit (pause, weight transfer, resume)": mean("timing/refit") - mean("timing/refit_drain"),
         "driver rest of step (collate, metrics)": mean("timing/step") - sum(
             mean(f"timing/{k}") for k in ("gen_wait", "logprobs", "advantage", "train", "refit")),
         "between steps (logging, pool refill)": step_wall - mean("timing/step"),
     }
-    compute = ("gen_wait", "logprobs", "train forward", "train backward")
+    compute = ("gen_wait", "refit drain (generation the refit waits for)", "logprobs", "train forward",
+               "train backward", "train optimizer (clip, step)")
     overhead = {k: v for k, v in stages.items() if k not in compute}
     generated = [s["rollout/response_length"] * s["rollout/samples"] for s in steps]
     return {
@@ -232,6 +236,7 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
 
     llm = start_engine(plan.model.path, plan.rollout, "cpu", plan.seed)  # as the loop's RolloutEngine does
     from vllm import SamplingParams
+    from vllm.inputs.engine import tokens_input
     from vllm.sampling_params import RequestOutputKind
 
     r = plan.rollout
@@ -242,7 +247,7 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
     async def one(prompt_ids: list[int], request_id: str) -> int:
         params = SamplingParams(max_tokens=max_tokens(prompt_ids), temperature=r.temperature, top_p=r.top_p,
                                 top_k=r.top_k, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-        async for output in llm.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+        async for output in llm.generate(tokens_input(prompt_ids), params, request_id):  # as RolloutEngine
             pass
         return len(output.outputs[0].token_ids)
 
@@ -378,14 +383,14 @@ async def refit_main(refits: int, models: list[str]) -> None:
     import ray
 
     from molt.generator import Generator
-    from molt.step import refit
     from molt.plan import ModelPlan, Plan
     from molt.tiny import build_tiny
     from molt.trainer import Trainer
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    print(f"{'':8}{'MB':>8}{'connect s':>11}{'refit s':>9}{'GB/s':>7}{'rank 0 +MB':>12}"
-          f"  (median of {refits} refits: pause, gather + broadcast + load, resume; no requests in flight)")
+    print(f"{'':8}{'MB':>8}{'connect s':>11}{'refit s':>9}{'pause':>7}{'update':>8}{'resume':>8}{'GB/s':>7}"
+          f"{'rank 0 +MB':>12}  (median of {refits} refits, as molt/step.py's refit: pause, update = gather +"
+          " broadcast + load, resume; no requests in flight)")
     try:
         for name in models:
             if name == "20m":
@@ -404,7 +409,7 @@ async def refit_main(refits: int, models: list[str]) -> None:
                 group = trainer.refit_offer()
                 await generator.connect_refit(group, lambda g: asyncio.to_thread(trainer.join_refit, g))
                 connect_s = time.perf_counter() - start
-                seconds, extra = [], []
+                seconds, parts, extra = [], {"pause": [], "update": [], "resume": []}, []
                 for version in range(1, refits + 1):
                     before, peak = rank0.memory_info().rss, [0]
                     done = threading.Event()
@@ -416,8 +421,15 @@ async def refit_main(refits: int, models: list[str]) -> None:
                     watcher = threading.Thread(target=watch)
                     watcher.start()
                     start = time.perf_counter()
-                    await refit(generator, trainer, version, keep_requests=False)
+                    await generator.pause(keep_requests=False)
+                    paused = time.perf_counter()
+                    await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
+                    updated = time.perf_counter()
+                    await generator.resume()
                     seconds.append(time.perf_counter() - start)
+                    for part, since, until in (("pause", start, paused), ("update", paused, updated),
+                                               ("resume", updated, start + seconds[-1])):
+                        parts[part].append(until - since)
                     done.set()
                     watcher.join()
                     extra.append(max(0, peak[0] - before) / 1e6)
@@ -425,10 +437,13 @@ async def refit_main(refits: int, models: list[str]) -> None:
                 trainer.shutdown()
                 await generator.shutdown()
             megabytes, median = sum(group.sizes()) / 1e6, statistics.median(seconds)
-            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}{megabytes / 1e3 / median:>7.2f}"
-                  f"{statistics.median(extra):>12.1f}", flush=True)
+            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}"
+                  + "".join(f"{statistics.median(parts[p]):>{w}.3f}" for p, w in (("pause", 7), ("update", 8),
+                                                                                     ("resume", 8)))
+                  + f"{megabytes / 1e3 / median:>7.2f}{statistics.median(extra):>12.1f}", flush=True)
         print("connect = the refit group formed once (rendezvous, metadata); refit = the loop's refit; rank 0 +MB ="
-              " its peak resident memory during a refit above that before it")
+              " its peak resident memory during a refit above that before it (the bucket is allocated when the"
+              " group forms)")
     finally:
         ray.shutdown()
 

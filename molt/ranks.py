@@ -173,7 +173,7 @@ class PolicyWorker:
         sums: dict[str, float] = {}  # token-weighted metric sums: this rank's share of the global token mean
         maxima: dict[str, float] = {}
         is_counts: dict[str, float] = {}  # importance-weight counts, summed over micro-batches, epochs and ranks
-        forward_s = backward_s = 0.0
+        forward_s = backward_s = optimizer_s = 0.0
         grad_norms, lrs = [], []
 
         def add(name: str, value: float) -> None:
@@ -231,7 +231,9 @@ class PolicyWorker:
                 add("loss/policy", policy.item())
                 add("entropy", entropy.item())
             lrs.append(self.optimizer.param_groups[0]["lr"])
+            start = time.perf_counter()
             grad_norms.append(float(self._clip_and_step()))
+            optimizer_s += time.perf_counter() - start
 
         epochs = plan.trainer.epochs_per_batch
         sums = all_reduce_metrics(sums, dist.ReduceOp.SUM, self.dp_group)
@@ -250,7 +252,8 @@ class PolicyWorker:
             "optimizer_steps": self.scheduler.last_epoch,
             "time/forward_s": forward_s,
             "time/backward_s": backward_s,
-            "time/rank_s": time.perf_counter() - started,  # the rest is the optimizer and collectives
+            "time/optimizer_s": optimizer_s,  # gradient clipping (its norm's all-reduce) and the optimizer step
+            "time/rank_s": time.perf_counter() - started,  # the rest: moving the batch, the metrics' all-reduce
         }
 
     def _moe_terms(self, mb: dict, share: float, add) -> Tensor:
@@ -330,6 +333,7 @@ class PolicyWorker:
         from molt.refit import join
 
         self.refit_group, self.refit_pg = group, join(group, rank=0, device=self.device)
+        self.refit_bucket = group.wire_bucket(self.device)
 
     def send_weights(self) -> None:
         """Every rank's part of a refit: gather the tensors one by one; rank 0 broadcasts them to the engines."""
@@ -340,7 +344,7 @@ class PolicyWorker:
             return
         from molt.refit import send
 
-        send(self.refit_pg, self.refit_group, tensors, self.device)
+        send(self.refit_pg, self.refit_group, tensors, self.refit_bucket)
 
     def save(self, path: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)

@@ -6,7 +6,9 @@ side's default group, and it lives as long as the engines. What every refit send
 group forms (`RefitGroup`: names, dtypes and shapes in order, bucket size); a refit then moves only tensor
 bytes: the tensors, in that order, as one byte stream cut into fixed-size buckets, each broadcast from
 rank 0. The sender gathers one tensor at a time and a receiver yields each tensor as soon as its last byte
-arrived, so neither side holds more than one bucket and one tensor in flight.
+arrived, so neither side holds more than one bucket and one tensor in flight. Each side allocates its bucket
+once, when it joins, and reuses it: on CPU a fresh 64 MiB buffer per refit cost a page fault per 4 KiB
+touched, more than the copy into it.
 
 Backend: NCCL (buckets on the GPUs) when no engine worker shares trainer rank 0's GPU; gloo through host
 memory on CPU, or when one does (NCCL refuses two ranks of one communicator on one GPU). Each collective
@@ -87,6 +89,12 @@ class RefitGroup(WeightTransferInitInfo):
         """Where this process's buckets live: on its GPU under NCCL, else in host memory."""
         return device if self.backend == "nccl" else torch.device("cpu")
 
+    def wire_bucket(self, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+        """The buffer one rank sends or receives every refit through: one bucket, or the whole stream when
+        that is smaller. Allocate it once per group and pass it to every send / receive."""
+        return torch.empty(min(self.bucket_bytes, sum(self.sizes())), dtype=torch.uint8,
+                           device=self.wire_device(device))
+
 
 def refit_backend(weight_transfer: str, sender_gpu: Optional[str], engine_gpus: list[Optional[str]]) -> str:
     """gloo or nccl for a refit group, from rollout.weight_transfer (auto | gloo) and where its ranks run."""
@@ -123,11 +131,10 @@ def join(group: RefitGroup, rank: int, device: torch.device = torch.device("cpu"
 
 
 def send(pg: dist.ProcessGroup, group: RefitGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
-         device: torch.device = torch.device("cpu")) -> None:
+         bucket: torch.Tensor) -> None:
     """Rank 0's half of a refit: broadcast `named_tensors`, which must match the group's names, dtypes and
-    shapes in order (any layout: non-contiguous tensors are copied)."""
+    shapes in order (any layout: non-contiguous tensors are copied), through `bucket` (group.wire_bucket)."""
     expected = list(zip(group.names, group.dtypes, group.shapes))
-    bucket = torch.empty(group.bucket_bytes, dtype=torch.uint8, device=group.wire_device(device))
     filled = count = 0
     for name, tensor in named_tensors:
         got = (name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
@@ -139,10 +146,10 @@ def send(pg: dist.ProcessGroup, group: RefitGroup, named_tensors: Iterable[tuple
         data = tensor.detach().contiguous().view(-1).view(torch.uint8)
         done = 0
         while done < len(data):
-            n = min(len(data) - done, group.bucket_bytes - filled)
+            n = min(len(data) - done, len(bucket) - filled)
             bucket[filled : filled + n].copy_(data[done : done + n])
             filled, done = filled + n, done + n
-            if filled == group.bucket_bytes:
+            if filled == len(bucket):
                 _broadcast(bucket, pg, group)
                 filled = 0
     if count != len(expected):
@@ -151,11 +158,11 @@ def send(pg: dist.ProcessGroup, group: RefitGroup, named_tensors: Iterable[tuple
         _broadcast(bucket[:filled], pg, group)
 
 
-def receive(pg: dist.ProcessGroup, group: RefitGroup, device: torch.device = torch.device("cpu")
+def receive(pg: dist.ProcessGroup, group: RefitGroup, bucket: torch.Tensor, device: torch.device = torch.device("cpu")
             ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A receiver's half of a refit: yield each tensor of the group, on `device`, once its last byte came."""
-    wire = group.wire_device(device)
-    bucket = torch.empty(group.bucket_bytes, dtype=torch.uint8, device=wire)
+    """A receiver's half of a refit, through `bucket` (group.wire_bucket): yield each tensor of the group, on
+    `device`, once its last byte came."""
+    wire = bucket.device
     buckets = iter(group.buckets())
     used = size = 0  # bytes of the current bucket consumed / received
     for name, dtype, shape, nbytes in zip(group.names, group.dtypes, group.shapes, group.sizes()):
@@ -203,6 +210,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[RefitGroup, RefitUpdate
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.group = init_info
         self.pg = join(init_info, rank, self.device)
+        self.bucket = init_info.wire_bucket(self.device)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -218,7 +226,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[RefitGroup, RefitUpdate
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
-        self.model.load_weights(receive(self.pg, self.group, self.device))
+        self.model.load_weights(receive(self.pg, self.group, self.bucket, self.device))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -239,7 +247,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[RefitGroup, RefitUpdate
                 moe_kernel.fused_experts.process_weights_after_loading(module)
 
     def shutdown(self) -> None:
-        self.pg = None  # the group closes its connections when it is freed
+        self.pg = self.bucket = None  # the group closes its connections when it is freed
 
 
 class RefitWorkerExtension:

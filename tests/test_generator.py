@@ -42,7 +42,7 @@ class Engine:
         self.refit_pg = self.run(generator.connect_refit(offer, self.join))
 
     async def join(self, group):
-        self.refit_group = group
+        self.refit_group, self.refit_bucket = group, group.wire_bucket()
         return await asyncio.to_thread(join, group, 0)
 
     def run(self, coroutine):
@@ -76,7 +76,7 @@ class Engine:
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
         tensors = self.hf.state_dict().items()
         await self.generator.update_weights(
-            self.version, lambda: asyncio.to_thread(send, self.refit_pg, self.refit_group, tensors))
+            self.version, lambda: asyncio.to_thread(send, self.refit_pg, self.refit_group, tensors, self.refit_bucket))
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])

@@ -29,6 +29,7 @@ def test_async_schedule_trains_and_logs_every_stage(tmp_path):
     for key in ("timing/gen_wait", "timing/train", "timing/refit", "rollout/reward_mean", "mismatch/abs_max",
                 "staleness/mean", "loss/policy", "train/grad_norm", "throughput/trained_tokens_per_s"):
         assert key in records[0], key
+    assert all(0 <= r["timing/refit_drain"] <= r["timing/refit"] for r in records)
     # on the same weights the float32 engine and actor agree on the sampled tokens' log-probabilities
     assert records[0]["staleness/max"] == 0 and records[0]["mismatch/abs_max"] < 1e-3
     # generation runs one batch ahead: the second batch was sampled before the first refit

@@ -339,7 +339,7 @@ def received_by_refit(trainer: Trainer) -> dict[str, torch.Tensor]:
         trainer.join_refit(group)
         pg = joined.result()
         sent = pool.submit(trainer.send_weights)
-        received = dict(receive(pg, group))
+        received = dict(receive(pg, group, group.wire_bucket()))
         sent.result()
     return received
 

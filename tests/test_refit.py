@@ -44,19 +44,28 @@ def model_like_tensors():
 
 @pytest.mark.parametrize("bucket_bytes", [7, 100, 1 << 20])  # smaller than every tensor, between, one bucket
 def test_every_tensor_arrives_bit_identical_whatever_the_buckets(bucket_bytes):
+    """Two refits through the same buckets: each delivers exactly its own tensors."""
     tensors = model_like_tensors()
+    updated = {name: (t.float() * 2 + 1).to(t.dtype) for name, t in tensors.items()}
     group = RefitGroup.offer(tensors.items(), bucket_bytes=bucket_bytes, timeout_s=30)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     assert len(group.buckets()) == math.ceil(total / bucket_bytes) and sum(group.buckets()) == total
+    assert group.wire_bucket().numel() == min(bucket_bytes, total)
 
-    _, received = two_ranks(
-        group,
-        lambda g: send(join(g, 0), g, tensors.items()),
-        lambda g: list(receive(join(g, 1), g)),
-    )
-    assert [name for name, _ in received] == list(tensors)
-    for name, tensor in received:
-        assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name]), name
+    def sender(g):
+        pg, bucket = join(g, 0), g.wire_bucket()
+        for refit in (tensors, updated):
+            send(pg, g, refit.items(), bucket)
+
+    def receiver(g):
+        pg, bucket = join(g, 1), g.wire_bucket()
+        return [list(receive(pg, g, bucket)) for _ in range(2)]
+
+    _, refits = two_ranks(group, sender, receiver)
+    for sent, received in zip((tensors, updated), refits):
+        assert [name for name, _ in received] == list(sent)
+        for name, tensor in received:
+            assert tensor.dtype == sent[name].dtype and torch.equal(tensor, sent[name]), name
 
 
 def test_a_tensor_the_group_did_not_agree_on_is_refused_and_the_receiver_times_out():
@@ -68,14 +77,14 @@ def test_a_tensor_the_group_did_not_agree_on_is_refused_and_the_receiver_times_o
     def sender(g):
         pg = join(g, 0)
         with pytest.raises(ValueError, match="tensor 1 is .*norm.weight.*the model changed"):
-            send(pg, g, changed.items())
+            send(pg, g, changed.items(), g.wire_bucket())
         time.sleep(g.timeout_s + 3)  # alive but silent: the receiver must not wait for it past its timeout
 
     def receiver(g):
         pg = join(g, 1)
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="refit broadcast failed.*refit_timeout_s=2"):
-            list(receive(pg, g))
+            list(receive(pg, g, g.wire_bucket()))
         return time.monotonic() - start
 
     _, waited = two_ranks(group, sender, receiver)
@@ -114,7 +123,7 @@ def test_a_killed_sender_is_an_error_at_once_not_a_hang():
         peer.wait()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="refit broadcast failed: a peer of the refit group died"):
-            list(receive(pg, group))
+            list(receive(pg, group, group.wire_bucket()))
         assert time.monotonic() - start < 10, "a dead peer was only noticed at the timeout"
     finally:
         peer.kill()

@@ -116,7 +116,7 @@ def test_logprobs_and_update_direction(tiny):
         second, _ = trainer.train_step(batch, advantages, old, batch.action_mask)
         assert trainer.step == 2 and second["loss/policy"] < first["loss/policy"]
         assert 0 < second["loss/clip_frac"] < 1 and second["grad_norm"] > 0
-        assert second["time/forward_s"] > 0 and second["time/backward_s"] > 0
+        assert second["time/forward_s"] > 0 and second["time/backward_s"] > 0 and second["time/optimizer_s"] > 0
 
         with pytest.raises(ValueError, match="advantages"):
             trainer.train_step(batch, advantages[:, :-1], old, batch.action_mask)
