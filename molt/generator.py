@@ -174,7 +174,9 @@ class RolloutEngine:
         """`generate(*request)` for each request, concurrently: one Ray call for many requests."""
         return await asyncio.gather(*(self.generate(*request) for request in requests), return_exceptions=True)
 
-    async def pause(self, keep_requests: bool) -> None:
+    async def pause(self, keep_requests: bool) -> int:
+        """Returns how many requests were in flight."""
+        in_flight = self.llm.get_num_unfinished_requests()
         # "keep" freezes in-flight requests (partial rollout); clearing the cache makes them recompute their
         # KV with the new weights on resume and stops new requests from reusing prefixes computed by the old
         # ones. "wait" lets in-flight requests finish on the old weights first.
@@ -182,6 +184,7 @@ class RolloutEngine:
         # before its return ("not required for correctness"): weight versions are stamped in the engine core.
         await self.llm.renderer.clear_mm_cache_async()
         await self.llm.engine_core.pause_scheduler_async(mode="keep" if keep_requests else "wait", clear_cache=True)
+        return in_flight
 
     async def update_weights(self, version: int) -> None:
         """Receive a refit from the group's sender (it must be sending) and label the weights `version`."""
@@ -316,11 +319,13 @@ class Generator:
         """Forget a finished session's engine."""
         self.picker.end_session(session_id)
 
-    async def pause(self, keep_requests: bool = True) -> None:
+    async def pause(self, keep_requests: bool = True) -> int:
         """Stop scheduling. keep_requests (partial rollout) freezes in-flight requests so they continue on
-        the next weights; otherwise they run to completion on the current ones before this returns."""
-        await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
+        the next weights; otherwise they run to completion on the current ones before this returns.
+        Returns how many requests were in flight, over all engines."""
+        in_flight = await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
         self.paused = True
+        return sum(in_flight)
 
     async def connect_refit(self, group, join: Callable[[Any], Awaitable]) -> Any:
         """Form the refit group (molt/refit.py) once: `group` is the sender's `RefitGroup.offer`,

@@ -118,8 +118,8 @@ async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, refe
 
 
 async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> float:
-    """Pause the engines, load the actor's weights labelled `version`, resume. Returns the seconds the pause
-    took (`timing/refit_drain`).
+    """Pause the engines, load the actor's weights labelled `version`, resume. Returns the seconds the refit
+    waited for in-flight requests (`timing/refit_drain`): the pause's, when requests were in flight.
 
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
     the version it was sampled under; otherwise in-flight requests finish on the old weights first, inside
@@ -129,11 +129,11 @@ async def refit(generator: Generator, trainer: Trainer, version: int, keep_reque
         group = await asyncio.to_thread(trainer.refit_offer)
         await generator.connect_refit(group, lambda group: asyncio.to_thread(trainer.join_refit, group))
     started = time.perf_counter()
-    await generator.pause(keep_requests=keep_requests)
+    in_flight = await generator.pause(keep_requests=keep_requests)
     paused = time.perf_counter()
     try:
         # the trainer gathers and broadcasts while the engines receive: both sides wait on each bucket
         await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
     finally:
         await generator.resume()
-    return paused - started
+    return paused - started if in_flight and not keep_requests else 0.0
