@@ -426,10 +426,11 @@ async def refit_main(refits: int, models: list[str]) -> None:
                     await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
                     updated = time.perf_counter()
                     await generator.resume()
-                    seconds.append(time.perf_counter() - start)
-                    for part, since, until in (("pause", start, paused), ("update", paused, updated),
-                                               ("resume", updated, start + seconds[-1])):
-                        parts[part].append(until - since)
+                    resumed = time.perf_counter()
+                    seconds.append(resumed - start)
+                    parts["pause"].append(paused - start)
+                    parts["update"].append(updated - paused)
+                    parts["resume"].append(resumed - updated)
                     done.set()
                     watcher.join()
                     extra.append(max(0, peak[0] - before) / 1e6)
@@ -437,10 +438,9 @@ async def refit_main(refits: int, models: list[str]) -> None:
                 trainer.shutdown()
                 await generator.shutdown()
             megabytes, median = sum(group.sizes()) / 1e6, statistics.median(seconds)
-            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}"
-                  + "".join(f"{statistics.median(parts[p]):>{w}.3f}" for p, w in (("pause", 7), ("update", 8),
-                                                                                     ("resume", 8)))
-                  + f"{megabytes / 1e3 / median:>7.2f}{statistics.median(extra):>12.1f}", flush=True)
+            pause, update, resume = (statistics.median(parts[p]) for p in ("pause", "update", "resume"))
+            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}{pause:>7.3f}{update:>8.3f}{resume:>8.3f}"
+                  f"{megabytes / 1e3 / median:>7.2f}{statistics.median(extra):>12.1f}", flush=True)
         print("connect = the refit group formed once (rendezvous, metadata); refit = the loop's refit; rank 0 +MB ="
               " its peak resident memory during a refit above that before it (the bucket is allocated when the"
               " group forms)")
