@@ -148,10 +148,12 @@ def test_killed_run_resumes_without_losing_or_repeating_a_prompt(tmp_path):
 def test_embedded_default_learns(tmp_path):
     """The default recipe (molt-run with no arguments) raises the mean reward clearly, on the held-out
     eval split too."""
-    summary = train(valid_plan("logger=console", "logger.eval_every=20"), str(tmp_path))
+    # 256 eval rows: with the default 32, one sample each, the eval mean's own noise (sd ~0.09) made the
+    # +0.1 margin fail now and then although training had learned.
+    summary = train(valid_plan("logger=console", "logger.eval_every=20", "data.eval_size=256"), str(tmp_path))
     rewards = summary["reward_by_step"]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.15, rewards
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 20, 40] and all(e["eval/samples"] == 32 for e in evals)
+    assert [e["step"] for e in evals] == [0, 20, 40] and all(e["eval/samples"] == 256 for e in evals)
     assert evals[-1]["eval/reward_mean"] > evals[0]["eval/reward_mean"] + 0.1, evals
