@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import os
 import sys
 import uuid
@@ -100,6 +101,7 @@ class RolloutEngine:
                     return_routes: bool = False) -> None:
         self.llm = start_engine(model_path, rollout, device, seed, return_routes)
         await self.llm.update_weight_version("0")  # vLLM labels the loaded weights "default"
+        gc.freeze()  # as vLLM's API server does after startup: collections skip what lives as long as the engine
 
     async def gpus(self) -> list[Optional[str]]:
         """The GPU UUID of each of this engine's workers (None on CPU), one per rank it takes in the refit

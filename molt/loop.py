@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -153,6 +154,10 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
 
         if eval_rows and state["step"] == 0:
             await log_eval(0)
+        # What exists now (modules, Ray handles, the datasets) lives for the whole run: frozen, the collector no
+        # longer scans it, and a full collection stops costing up to 0.5 s in the middle of a step.
+        gc.freeze()
+        stack.callback(gc.unfreeze)  # a later run in this process (tests) collects it again
         rewards_by_step = []
         for step in range(state["step"], plan.trainer.steps):
             t0 = time.perf_counter()
