@@ -101,7 +101,10 @@ class RolloutEngine:
                     return_routes: bool = False) -> None:
         self.llm = start_engine(model_path, rollout, device, seed, return_routes)
         await self.llm.update_weight_version("0")  # vLLM labels the loaded weights "default"
-        gc.freeze()  # as vLLM's API server does after startup: collections skip what lives as long as the engine
+        # as vLLM's API server does after startup: collect, then freeze what lives as long as the engine, so that
+        # later collections skip it
+        gc.collect()
+        gc.freeze()
 
     async def gpus(self) -> list[Optional[str]]:
         """The GPU UUID of each of this engine's workers (None on CPU), one per rank it takes in the refit

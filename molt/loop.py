@@ -155,7 +155,9 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
         if eval_rows and state["step"] == 0:
             await log_eval(0)
         # What exists now (modules, Ray handles, the datasets) lives for the whole run: frozen, the collector no
-        # longer scans it, and a full collection stops costing up to 0.5 s in the middle of a step.
+        # longer scans it, and a full collection stops costing up to 0.5 s in the middle of a step. Collected
+        # first, so that no garbage is frozen with it.
+        gc.collect()
         gc.freeze()
         stack.callback(gc.unfreeze)  # a later run in this process (tests) collects it again
         rewards_by_step = []
