@@ -242,7 +242,7 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
         await generator.pause(keep_requests=False)
         await generator.update_weights(
             version, lambda: asyncio.to_thread(send, pg, group, model.state_dict().items(), bucket))
-        await generator.resume()
+        await generator.loaded()  # the engines resume themselves once loaded
         seconds.append(time.perf_counter() - started)
     print(f"  refit (pause, broadcast + load, resume): median {statistics.median(seconds):.3f} s of {refits}, "
           f"{sum(group.sizes()) / 1e9 / statistics.median(seconds):.2f} GB/s", flush=True)

@@ -149,10 +149,10 @@ def steady(run: dict) -> dict:
     step_wall = (ends[-1] - ends[SKIP - 1]) / len(steps)
 
     def mean(key: str) -> float:
-        return statistics.mean(s[key] for s in steps)
+        return statistics.mean(s.get(key, 0.0) for s in steps)  # 0: a metric the measured code does not log
 
     stages = {
-        "gen_wait": mean("timing/gen_wait"),
+        "gen_wait": mean("timing/gen_wait") - mean("timing/refit_load_wait"),
         "logprobs": mean("timing/logprobs"),
         "train forward": mean("time/forward_s"),
         "train backward": mean("time/backward_s"),
@@ -163,6 +163,8 @@ def steady(run: dict) -> dict:
         # In "wait" mode the pause lets in-flight requests finish on the old weights: generation the step waits for.
         "refit drain (generation the refit waits for)": mean("timing/refit_drain"),
         "refit (pause, weight transfer, resume)": mean("timing/refit") - mean("timing/refit_drain"),
+        # The engines load the weights after the transfer while the next step goes on: in sync it waits for them.
+        "refit load the next step's gen_wait waited for": mean("timing/refit_load_wait"),
         "driver rest of step (collate, metrics)": mean("timing/step") - sum(
             mean(f"timing/{k}") for k in ("gen_wait", "logprobs", "advantage", "train", "refit")),
         "between steps (logging, pool refill)": step_wall - mean("timing/step"),
@@ -171,10 +173,13 @@ def steady(run: dict) -> dict:
                "train backward", "train optimizer (clip, step)")
     overhead = {k: v for k, v in stages.items() if k not in compute}
     generated = [s["rollout/response_length"] * s["rollout/samples"] for s in steps]
+    # generation the step waited for, without the engines' refit load; async often waits for none
+    waits = [s["timing/gen_wait"] - s.get("timing/refit_load_wait", 0.0) for s in steps]
+    gen_rates = [g / wait for g, wait in zip(generated, waits) if wait > 0]
     return {
         "step_s": step_wall,
         "trained_tok_s": sum(s["train/tokens"] for s in steps) / (step_wall * len(steps)),
-        "gen_phase_tok_s": statistics.median(g / s["timing/gen_wait"] for g, s in zip(generated, steps)),
+        "gen_phase_tok_s": statistics.median(gen_rates) if gen_rates else float("nan"),
         "response_len": mean("rollout/response_length"),
         "reward_last": statistics.mean(s["rollout/reward_mean"] for s in steps[-5:]),
         "stages": stages,
@@ -388,9 +393,9 @@ async def refit_main(refits: int, models: list[str]) -> None:
     from molt.trainer import Trainer
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    print(f"{'':8}{'MB':>8}{'connect s':>11}{'refit s':>9}{'pause':>7}{'update':>8}{'resume':>8}{'GB/s':>7}"
-          f"{'rank 0 +MB':>12}  (median of {refits} refits, as molt/step.py's refit: pause, update = gather +"
-          " broadcast + load, resume; no requests in flight)")
+    print(f"{'':8}{'MB':>8}{'connect s':>11}{'refit s':>9}{'pause':>7}{'send':>8}{'load':>8}{'GB/s':>7}"
+          f"{'rank 0 +MB':>12}  (median of {refits} refits, as molt/step.py's refit: pause, send = gather +"
+          " broadcast, then the engines' load and resume, which a run's next step overlaps; no requests in flight)")
     try:
         for name in models:
             if name == "20m":
@@ -409,7 +414,7 @@ async def refit_main(refits: int, models: list[str]) -> None:
                 group = trainer.refit_offer()
                 await generator.connect_refit(group, lambda g: asyncio.to_thread(trainer.join_refit, g))
                 connect_s = time.perf_counter() - start
-                seconds, parts, extra = [], {"pause": [], "update": [], "resume": []}, []
+                seconds, parts, extra = [], {"pause": [], "send": [], "load": []}, []
                 for version in range(1, refits + 1):
                     before, peak = rank0.memory_info().rss, [0]
                     done = threading.Event()
@@ -424,13 +429,13 @@ async def refit_main(refits: int, models: list[str]) -> None:
                     await generator.pause(keep_requests=False)
                     paused = time.perf_counter()
                     await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
-                    updated = time.perf_counter()
-                    await generator.resume()
-                    resumed = time.perf_counter()
-                    seconds.append(resumed - start)
+                    sent = time.perf_counter()
+                    await generator.loaded()
+                    loaded = time.perf_counter()
+                    seconds.append(loaded - start)
                     parts["pause"].append(paused - start)
-                    parts["update"].append(updated - paused)
-                    parts["resume"].append(resumed - updated)
+                    parts["send"].append(sent - paused)
+                    parts["load"].append(loaded - sent)
                     done.set()
                     watcher.join()
                     extra.append(max(0, peak[0] - before) / 1e6)
@@ -438,8 +443,8 @@ async def refit_main(refits: int, models: list[str]) -> None:
                 trainer.shutdown()
                 await generator.shutdown()
             megabytes, median = sum(group.sizes()) / 1e6, statistics.median(seconds)
-            pause, update, resume = (statistics.median(parts[p]) for p in ("pause", "update", "resume"))
-            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}{pause:>7.3f}{update:>8.3f}{resume:>8.3f}"
+            pause, send, load = (statistics.median(parts[p]) for p in ("pause", "send", "load"))
+            print(f"{name:8}{megabytes:>8.1f}{connect_s:>11.2f}{median:>9.3f}{pause:>7.3f}{send:>8.3f}{load:>8.3f}"
                   f"{megabytes / 1e3 / median:>7.2f}{statistics.median(extra):>12.1f}", flush=True)
         print("connect = the refit group formed once (rendezvous, metadata); refit = the loop's refit; rank 0 +MB ="
               " its peak resident memory during a refit above that before it (the bucket is allocated when the"

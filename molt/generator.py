@@ -7,9 +7,10 @@ a multimodal prompt, expanding each IMAGE token into the model's image tokens; t
 rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
-Refit is pause (requests kept) -> update_weights -> resume, through vLLM's weight-transfer API with the
-backend in molt/refit.py: the sender (trainer rank 0) broadcasts to every engine worker over one
-process group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs).
+Refit is pause (requests kept) -> update_weights, through vLLM's weight-transfer API with the backend in
+molt/refit.py: the sender (trainer rank 0) broadcasts to every engine worker over one process group, formed
+once by `connect_refit` (gloo on CPU, NCCL between GPUs). Each engine resumes once it has loaded the
+weights; `update_weights` returns when the sender is done, so the load overlaps the caller's next work.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 import gc
 import os
 import sys
+import time
 import uuid
 import zlib
 from typing import Any, Awaitable, Callable, Optional
@@ -191,13 +193,17 @@ class RolloutEngine:
         await self.llm.engine_core.pause_scheduler_async(mode="keep" if keep_requests else "wait", clear_cache=True)
         return in_flight
 
-    async def update_weights(self, version: int) -> None:
-        """Receive a refit from the group's sender (it must be sending) and label the weights `version`."""
+    async def update_weights(self, version: int) -> float:
+        """Receive a refit from the group's sender (it must be sending), label the weights `version` and resume
+        generation; after an error the engine stays paused. One Ray call for the whole update. Returns when it
+        resumed (time.time())."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         await self.llm.start_weight_update()
         await self.llm.update_weights(WeightTransferUpdateRequest(update_info={}))
         await self.llm.finish_weight_update(weight_version=str(version))
+        await self.llm.resume_generation()
+        return time.time()
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
@@ -252,7 +258,10 @@ class Generator:
         self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
         self.calls: set[asyncio.Task] = set()  # the batched Ray calls in flight (asyncio keeps weak references)
         self.refit_connected = False
-        self.paused = False  # by pause() until resume(); nothing else pauses these engines
+        self.paused = False  # by pause() until update_weights() or resume(); nothing else pauses these engines
+        self.loading: Optional[asyncio.Task] = None  # the engines' side of the last update_weights()
+        self.load_error: Optional[BaseException] = None  # why that failed
+        self.loaded_at = 0.0  # time.perf_counter() when every engine had loaded the last refit and resumed
 
     @classmethod
     async def start(cls, plan: Plan, placement: Optional[list] = None) -> "Generator":
@@ -328,6 +337,7 @@ class Generator:
         """Stop scheduling. keep_requests (partial rollout) freezes in-flight requests so they continue on
         the next weights; otherwise they run to completion on the current ones before this returns.
         Returns how many requests were in flight, over all engines."""
+        await self.loaded()  # an engine still loading the last refit would resume after this pause
         in_flight = await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
         self.paused = True
         return sum(in_flight)
@@ -354,22 +364,56 @@ class Generator:
         return joined[0]
 
     async def update_weights(self, version: int, send: Callable[[], Awaitable]) -> None:
-        """Broadcast new weights into every (paused) engine and label them `version`. `send()` starts the
-        sender's half (rank 0 of the refit group); it runs together with the engines' receive, since each
-        bucket's broadcast waits for all ranks."""
+        """Broadcast new weights into every (paused) engine and label them `version`; each engine resumes once
+        it has loaded them. `send()` starts the sender's half (rank 0 of the refit group); it runs together with
+        the engines' receive, since each bucket's broadcast waits for all ranks.
+
+        Returns when `send()` is done. The engines then still load what they received (vLLM's layer-wise
+        reload, most of a refit on CPU) while the caller goes on, e.g. with the trainer's next step; requests
+        wait in the engines meanwhile. `loaded()` waits for the load, `check_loaded()` raises if it failed."""
         if not self.refit_connected:
             raise RuntimeError("update_weights needs the refit group: call connect_refit() first")
         if not self.paused:
             raise RuntimeError("update_weights needs paused engines: call pause() first")
-        sent, *received = await asyncio.gather(send(), *(e.update_weights.remote(version) for e in self.engines),
-                                               return_exceptions=True)  # each side fails at once when a peer dies
-        # A dead process explains the others' failed broadcast: report a dead engine, else the sender's error.
-        dead = [result for result in received if isinstance(result, ray.exceptions.RayActorError)]
-        for result in (*dead, sent, *received):
-            if isinstance(result, BaseException):
-                raise result
+        self.paused = False
+        self.loading = asyncio.ensure_future(self._load(version))
+        try:
+            await send()
+        except BaseException:
+            await asyncio.wait([self.loading])  # the engines' receive fails too, at once when a peer died
+            if isinstance(self.load_error, ray.exceptions.RayActorError):
+                raise self.load_error  # a dead engine explains the sender's failed broadcast
+            raise
+
+    async def _load(self, version: int) -> None:
+        results = await asyncio.gather(*(e.update_weights.remote(version) for e in self.engines),
+                                       return_exceptions=True)
+        # A dead process explains the others' failed broadcast: report a dead engine first.
+        errors = sorted((r for r in results if isinstance(r, BaseException)),
+                        key=lambda error: not isinstance(error, ray.exceptions.RayActorError))
+        if not errors:
+            # By the engines' clock: while this process starts the next step's requests, their answer reaches it late.
+            self.loaded_at = time.perf_counter() - max(0.0, time.time() - max(results))
+            return
+        self.load_error = errors[0]
+        # An engine whose load failed stays paused, and a caller waiting for its answers would wait forever.
+        # Resumed, it answers; check_loaded() raises before the caller uses any answer that came after this.
+        await asyncio.gather(*(e.resume.remote() for e in self.engines), return_exceptions=True)
+
+    async def loaded(self) -> None:
+        """Wait until every engine has loaded the last refit's weights; raise if that failed."""
+        if self.loading:
+            await self.loading
+        self.check_loaded()
+
+    def check_loaded(self) -> None:
+        """Raise the error of the last refit's load if it failed; a load in progress is not waited for."""
+        if self.load_error:
+            raise self.load_error
 
     async def resume(self) -> None:
+        """Resume after a pause() that no update_weights() followed (that resumes the engines itself)."""
+        await self.loaded()
         await asyncio.gather(*(e.resume.remote() for e in self.engines))
         self.paused = False
 
@@ -377,3 +421,5 @@ class Generator:
         await asyncio.gather(*(e.shutdown.remote() for e in self.engines), return_exceptions=True)
         for engine in self.engines:
             ray.kill(engine)
+        if self.loading:  # its calls fail at once on the ended engines; let it finish rather than be destroyed
+            await asyncio.wait([self.loading])

@@ -145,6 +145,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
 
         async def log_eval(steps_done: int) -> None:
             metrics = await evaluate(eval_rows, run_rollout)
+            generator.check_loaded()  # the weights it scored loaded
             tracker.log_metrics(metrics, step=steps_done)
             with open(os.path.join(run_dir, "eval.jsonl"), "a") as log:
                 log.write(json.dumps({"step": steps_done, **metrics}) + "\n")
@@ -165,7 +166,8 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             t0 = time.perf_counter()
             try:
                 groups = await pool.next_batch()
-            except EngineDied as e:  # documented choice: keep what was learned, stop, resume later
+                generator.check_loaded()  # the last refit's load (it overlaps the step) did not fail
+            except (EngineDied, ray.exceptions.RayActorError) as e:  # keep what was learned, stop, resume later
                 await save_checkpoint(step)
                 raise RuntimeError(f"{e}; wrote a checkpoint at step {step} in {checkpoints}: run again in "
                                    f"the same directory (hydra.run.dir={run_dir}) to resume") from e
@@ -184,6 +186,8 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                 "pool/groups_dropped": float(sum(pool.dropped.values())),
                 "pool/rollouts_failed": float(sum(pool.failed.values())),
                 "timing/gen_wait": t_batch - t0,
+                # part of gen_wait: the engines were still loading the last refit's weights (in sync, all of it)
+                "timing/refit_load_wait": max(0.0, min(generator.loaded_at, t_batch) - t0),
                 "timing/refit": t_end - t_train,
                 "timing/refit_drain": drain_s,  # part of timing/refit: in-flight requests finishing on the old weights
                 "timing/step": t_end - t0,
@@ -211,6 +215,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                 raise RuntimeError(f"{engine_died}; wrote a checkpoint at step {step + 1} in {checkpoints}: run again "
                                    f"in the same directory (hydra.run.dir={run_dir}) to resume") from engine_died
 
+        await generator.loaded()  # the last refit's error, if it failed, is the run's
         summary = {"steps": len(rewards_by_step), "reward_by_step": rewards_by_step,
                    "wall_s": time.perf_counter() - started, "groups_dropped": dict(pool.dropped),
                    "rollouts_failed": dict(pool.failed)}

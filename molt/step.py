@@ -118,8 +118,10 @@ async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, refe
 
 
 async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> float:
-    """Pause the engines, load the actor's weights labelled `version`, resume. Returns the seconds the refit
-    waited for in-flight requests (`timing/refit_drain`): the pause's, when requests were in flight.
+    """Pause the engines and send them the actor's weights labelled `version`. Returns once the trainer has
+    sent them, with the seconds the refit waited for in-flight requests (`timing/refit_drain`: the pause's,
+    when requests were in flight). Each engine then loads the weights and resumes by itself while the caller
+    goes on, so the trainer can start the next step (Generator.update_weights).
 
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
     the version it was sampled under; otherwise in-flight requests finish on the old weights first, inside
@@ -131,9 +133,6 @@ async def refit(generator: Generator, trainer: Trainer, version: int, keep_reque
     started = time.perf_counter()
     in_flight = await generator.pause(keep_requests=keep_requests)
     paused = time.perf_counter()
-    try:
-        # the trainer gathers and broadcasts while the engines receive: both sides wait on each bucket
-        await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
-    finally:
-        await generator.resume()
+    # the trainer gathers and broadcasts while the engines receive: both sides wait on each bucket
+    await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
     return paused - started if in_flight and not keep_requests else 0.0

@@ -4,6 +4,9 @@ model over the refit group, as trainer rank 0 does), version spans of a request 
 and the session router."""
 
 import asyncio
+import functools
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,9 +119,10 @@ def test_token_in_token_out_matches_hf(engine, temperature):
 def test_refit_matches_updated_hf_model(engine):
     assert engine.run(engine.generator.pause()) == 0  # requests in flight: none
     engine.run(engine.refit())
-    engine.run(engine.generator.resume())
+    # Sent at once, while the engines may still be loading: they wait for the new weights, and the engines
+    # resume on their own (a timeout, not a hang, if they did not).
     prompts = [engine.prompt(f"What is {a} * 3?") for a in range(4)]
-    samples = engine.run(engine.generate_all(prompts, max_tokens=24))
+    samples = engine.run(asyncio.wait_for(engine.generate_all(prompts, max_tokens=24), timeout=120))
     assert all(engine.generator.picker.sessions_started), "every engine served some of the prompts"
     for prompt, sample in zip(prompts, samples):
         assert sample.versions == [engine.version] * len(sample.token_ids)
@@ -146,8 +150,7 @@ def test_request_in_flight_across_refit_reports_both_versions(engine):
         in_flight = [not task.done() for task in tasks]
         assert 0 < reported <= sum(in_flight)  # the later tasks may not have reached the engine yet
         await engine.refit()
-        await engine.generator.resume()
-        return in_flight, await asyncio.gather(*tasks)
+        return in_flight, await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
     in_flight, samples = engine.run(scenario())
     new = {name: tensor.clone() for name, tensor in engine.hf.state_dict().items()}
@@ -222,6 +225,84 @@ def test_router_keeps_sessions_and_balances_new_ones():
     assert "a" not in router.session_engine
     # Requests without a session are balanced but not remembered.
     assert router.acquire(None) in (0, 1) and None not in router.session_engine
+
+
+def refit_bookkeeping_engine(calls: list, load_error=None):
+    """A stand-in for a RolloutEngine actor handle, for the refit bookkeeping of Generator alone (the refit
+    itself is tested on the real engines above): each method's .remote() is a coroutine that logs the call;
+    update_weights fails with load_error."""
+    async def call(name, *args):
+        calls.append(name)
+        await asyncio.sleep(0.01)
+        if name == "update_weights" and load_error:
+            raise load_error
+        return time.time()  # update_weights: when the engine resumed
+
+    return SimpleNamespace(**{name: SimpleNamespace(remote=functools.partial(call, name))
+                              for name in ("pause", "update_weights", "resume")})
+
+
+def refit_bookkeeping_generator(*engines) -> Generator:
+    generator = Generator(list(engines))
+    generator.refit_connected = True
+    return generator
+
+
+def test_engines_resume_themselves_after_a_refit():
+    calls = [[], []]
+    generator = refit_bookkeeping_generator(*(refit_bookkeeping_engine(c) for c in calls))
+
+    async def refit():
+        await generator.pause()
+        await generator.update_weights(1, lambda: asyncio.sleep(0))
+        assert generator.loaded_at == 0.0, "update_weights waited for the engines' load"
+        await generator.loaded()
+        assert generator.loaded_at > 0.0
+        await generator.pause()  # the next refit
+        await generator.update_weights(2, lambda: asyncio.sleep(0))
+        await generator.loaded()
+
+    asyncio.run(refit())
+    assert calls == [["pause", "update_weights"] * 2] * 2  # no resume call: each engine resumes itself
+
+
+def test_a_failed_load_resumes_the_engines_and_stops_every_later_use():
+    calls = [[], []]
+    generator = refit_bookkeeping_generator(
+        refit_bookkeeping_engine(calls[0]),
+        refit_bookkeeping_engine(calls[1], load_error=RuntimeError("load_weights: no parameter 'lm_head.bias'")))
+
+    async def refit():
+        await generator.pause()
+        await generator.update_weights(1, lambda: asyncio.sleep(0))
+        with pytest.raises(RuntimeError, match="lm_head.bias"):
+            await generator.loaded()
+        with pytest.raises(RuntimeError, match="lm_head.bias"):
+            await generator.pause()  # no later refit builds on the failed one
+
+    asyncio.run(refit())
+    with pytest.raises(RuntimeError, match="lm_head.bias"):
+        generator.check_loaded()  # what the loop asks of each batch
+    # Both engines are told to resume after the failure, so that nothing waits forever on a paused engine.
+    assert calls == [["pause", "update_weights", "resume"]] * 2
+    assert generator.loaded_at == 0.0
+
+
+def test_a_dead_engine_explains_a_failed_send():
+    import ray
+
+    async def send():
+        raise RuntimeError("refit broadcast failed: a peer of the refit group died")
+
+    async def refit(generator):
+        await generator.pause()
+        await generator.update_weights(1, send)
+
+    dead = refit_bookkeeping_engine([], load_error=ray.exceptions.RayActorError())
+    with pytest.raises(ray.exceptions.RayActorError):
+        asyncio.run(refit(refit_bookkeeping_generator(refit_bookkeeping_engine([]), dead)))
+    with pytest.raises(RuntimeError, match="refit broadcast failed"):  # every engine lives: the sender's error
+        asyncio.run(refit(refit_bookkeeping_generator(refit_bookkeeping_engine([]))))
 
 
 def test_refit_goes_through_the_broadcast_backend_on_both_devices():
