@@ -47,6 +47,10 @@ def route_library_logs(where: str, run_dir: str) -> None:
     logging.captureWarnings(True)  # warnings.warn(...) -> logger "py.warnings" -> the handlers above
     for module in SELF_CONFIGURING:
         importlib.import_module(module)
+    if where == "file":  # transformers' progress bars are not log records: e.g. "Writing model shards" (build_tiny)
+        from transformers.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
     for logger in list(logging.root.manager.loggerDict.values()):
         if not isinstance(logger, logging.Logger):  # a placeholder for a logger not yet created
             continue
