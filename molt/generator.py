@@ -302,7 +302,12 @@ class Generator:
                    routes_from)
         sample = asyncio.get_running_loop().create_future()
         if not self.unsent[index]:
-            asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick
+            if self.loading and not self.loading.done():
+                # The engines are loading a refit: a request sent now would only wait in a paused engine, and its
+                # intake would slow the load. Everything made meanwhile goes in one call once they have loaded.
+                self.loading.add_done_callback(lambda _: self._send(index))
+            else:
+                asyncio.get_running_loop().call_soon(self._send, index)  # after every request of this tick
         self.unsent[index].append((request, sample))
         try:
             return await sample
@@ -370,7 +375,8 @@ class Generator:
 
         Returns when `send()` is done. The engines then still load what they received (vLLM's layer-wise
         reload, most of a refit on CPU) while the caller goes on, e.g. with the trainer's next step; requests
-        wait in the engines meanwhile. `loaded()` waits for the load, `check_loaded()` raises if it failed."""
+        made meanwhile wait here and reach the engines once they have loaded. `loaded()` waits for the load,
+        `check_loaded()` raises if it failed."""
         if not self.refit_connected:
             raise RuntimeError("update_weights needs the refit group: call connect_refit() first")
         if not self.paused:

@@ -232,14 +232,16 @@ def refit_bookkeeping_engine(calls: list, load_error=None):
     itself is tested on the real engines above): each method's .remote() is a coroutine that logs the call;
     update_weights fails with load_error."""
     async def call(name, *args):
-        calls.append(name)
+        calls.append(name if name != "generate_batch" else f"generate_batch x{len(args[0])}")
         await asyncio.sleep(0.01)
         if name == "update_weights" and load_error:
             raise load_error
+        if name == "generate_batch":
+            return [f"sample of {request[0]}" for request in args[0]]
         return time.time()  # update_weights: when the engine resumed
 
     return SimpleNamespace(**{name: SimpleNamespace(remote=functools.partial(call, name))
-                              for name in ("pause", "update_weights", "resume")})
+                              for name in ("pause", "update_weights", "resume", "generate_batch")})
 
 
 def refit_bookkeeping_generator(*engines) -> Generator:
@@ -264,6 +266,23 @@ def test_engines_resume_themselves_after_a_refit():
 
     asyncio.run(refit())
     assert calls == [["pause", "update_weights"] * 2] * 2  # no resume call: each engine resumes itself
+
+
+def test_requests_made_while_the_engines_load_reach_them_after_the_load_in_one_call():
+    calls = []
+    generator = refit_bookkeeping_generator(refit_bookkeeping_engine(calls))
+    sampling = dict(max_tokens=4, temperature=1.0, top_p=1.0, top_k=-1)
+
+    async def refit_then_generate():
+        await generator.pause()
+        await generator.update_weights(1, lambda: asyncio.sleep(0))
+        first = asyncio.ensure_future(generator.generate([1], **sampling))
+        await asyncio.sleep(0)  # the second request comes a tick later, while the engine still loads
+        second = generator.generate([2], **sampling)
+        return await asyncio.gather(first, second)
+
+    assert asyncio.run(refit_then_generate()) == ["sample of [1]", "sample of [2]"]
+    assert calls == ["pause", "update_weights", "generate_batch x2"]
 
 
 def test_a_failed_load_resumes_the_engines_and_stops_every_later_use():
