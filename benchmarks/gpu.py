@@ -286,7 +286,7 @@ def print_steps(plan, steps: list[dict], gpus: int) -> None:
     which = f"steps 2..{len(steps)}" if len(steps) > 1 else "step 1 only"
     step_s = statistics.mean(s["timing/step"] for s in steady)
     stages = {key: statistics.mean(s[f"timing/{key}"] for s in steady)
-              for key in ("gen_wait", "logprobs", "advantage", "train", "refit")}
+              for key in ("gen_wait", "collate", "logprobs", "advantage", "train", "refit")}
     rest = step_s - sum(stages.values())
     print(f"  mean step ({which}): {step_s:.2f} s = " + " + ".join(f"{k} {v:.2f}" for k, v in stages.items())
           + f" + rest {rest:.2f}", flush=True)

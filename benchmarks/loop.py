@@ -153,6 +153,7 @@ def steady(run: dict) -> dict:
 
     stages = {
         "gen_wait": mean("timing/gen_wait") - mean("timing/refit_load_wait"),
+        "collate (the trace into tensors)": mean("timing/collate"),
         "logprobs": mean("timing/logprobs"),
         "train forward": mean("time/forward_s"),
         "train backward": mean("time/backward_s"),
@@ -166,7 +167,7 @@ def steady(run: dict) -> dict:
         # The engines load the weights after the transfer while the next step goes on: in sync it waits for them.
         "refit load the next step's gen_wait waited for": mean("timing/refit_load_wait"),
         "driver rest of step (collate, metrics)": mean("timing/step") - sum(
-            mean(f"timing/{k}") for k in ("gen_wait", "logprobs", "advantage", "train", "refit")),
+            mean(f"timing/{k}") for k in ("gen_wait", "collate", "logprobs", "advantage", "train", "refit")),
         "between steps (logging, pool refill)": step_wall - mean("timing/step"),
     }
     compute = ("gen_wait", "refit drain (generation the refit waits for)", "logprobs", "train forward",
@@ -543,7 +544,7 @@ def startup_child(mode: str) -> None:
     molt.loop.train(plan, run_dir)
     with open(os.path.join(run_dir, "steps.jsonl")) as f:
         step = json.loads(f.readline())
-    for key in ("gen_wait", "logprobs", "advantage", "train", "refit"):
+    for key in ("gen_wait", "collate", "logprobs", "advantage", "train", "refit"):
         stages[f"step 0: {key}"] = step[f"timing/{key}"]
     accounted = sum(v for k, v in stages.items() if not k.startswith("python"))
     stages["rest of train() before the first step ends"] = step["timing/first_step_since_launch"] - accounted

@@ -197,11 +197,8 @@ class RolloutEngine:
         """Receive a refit from the group's sender (it must be sending), label the weights `version` and resume
         generation; after an error the engine stays paused. One Ray call for the whole update. Returns when it
         resumed (time.time())."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        await self.llm.start_weight_update()
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info={}))
-        await self.llm.finish_weight_update(weight_version=str(version))
+        await self.llm.collective_rpc("receive_refit")  # molt.refit.RefitWorkerExtension
+        await self.llm.update_weight_version(str(version))
         await self.llm.resume_generation()
         return time.time()
 

@@ -173,12 +173,18 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                                    f"the same directory (hydra.run.dir={run_dir}) to resume") from e
             t_batch = time.perf_counter()
             batch_path = os.path.join(batches, f"step_{step}.pt") if plan.logger.save_batches else None
+            refit_due = (version + 1) % plan.schedule.refit_every == 0
+            pausing = None
+            if refit_due and plan.schedule.queue_depth == 1:
+                # Nothing generates until this step's refit: the engines pause while the actor trains, off its path.
+                pausing = asyncio.ensure_future(generator.pause(keep_requests=plan.schedule.partial_rollout))
             metrics = await optimizer_step(plan, groups, trainer, reference, critic, version, kl_coef, batch_path)
             t_train = time.perf_counter()
             engine_died, drain_s = None, 0.0
-            if (version + 1) % plan.schedule.refit_every == 0:
+            if refit_due:
                 try:
-                    drain_s = await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout)
+                    drain_s = await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout,
+                                          pausing=pausing)
                 except ray.exceptions.RayActorError as e:  # the update is made: record the step, then stop
                     engine_died = EngineDied(f"a rollout engine died during the weight update: {e}")
             t_end = time.perf_counter()

@@ -258,5 +258,12 @@ class RefitWorkerExtension:
         """This worker's GPU, to tell whether it shares one with the sender (None on CPU)."""
         return _gpu_uuid() if torch.cuda.is_available() else None
 
+    def receive_refit(self) -> None:
+        """This worker's whole part of a refit: vLLM's start, update (the receive) and finish of a weight
+        update, in one call from the engine instead of one round trip each."""
+        self.start_weight_update()
+        self.update_weights({})
+        self.finish_weight_update()
+
 
 WeightTransferEngineFactory.register_engine(BACKEND, BroadcastWeightTransferEngine)

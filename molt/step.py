@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Awaitable, Optional
 
 import torch
 
@@ -61,6 +62,7 @@ async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, refe
     t0 = time.perf_counter()
     # the one gate: only tokens, log-probs and versions the engine gave reach the trainer
     batch = collate([segment for group in groups for rollout in group.rollouts for segment in rollout])
+    t_collate = time.perf_counter()
     if plan.schedule.force_on_policy and (batch.versions[batch.action_mask] != version).any():
         raise RuntimeError(f"schedule.force_on_policy=true: a batch holds tokens sampled by weight versions "
                            f"{sorted(set(batch.versions[batch.action_mask].tolist()))}, the trainer is at {version}")
@@ -111,17 +113,20 @@ async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, refe
         **{k if "/" in k else f"train/{k}": v for k, v in train_metrics.items()},
         # grpo, dr_grpo and reinforce_baseline give such a group advantage 0, rloo its reward
         "pool/single_rollout_groups": float(sum(len(g.rollouts) == 1 for g in groups)),
-        "timing/logprobs": t_logprobs - t0,
+        "timing/collate": t_collate - t0,
+        "timing/logprobs": t_logprobs - t_collate,
         "timing/advantage": t_advantage - t_logprobs,
         "timing/train": t_train - t_advantage,
     }
 
 
-async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> float:
+async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool,
+                pausing: Optional[Awaitable[int]] = None) -> float:
     """Pause the engines and send them the actor's weights labelled `version`. Returns once the trainer has
     sent them, with the seconds the refit waited for in-flight requests (`timing/refit_drain`: the pause's,
     when requests were in flight). Each engine then loads the weights and resumes by itself while the caller
-    goes on, so the trainer can start the next step (Generator.update_weights).
+    goes on, so the trainer can start the next step (Generator.update_weights). `pausing`: the engines' pause,
+    when the caller started it already (Generator.pause).
 
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
     the version it was sampled under; otherwise in-flight requests finish on the old weights first, inside
@@ -131,7 +136,7 @@ async def refit(generator: Generator, trainer: Trainer, version: int, keep_reque
         group = await asyncio.to_thread(trainer.refit_offer)
         await generator.connect_refit(group, lambda group: asyncio.to_thread(trainer.join_refit, group))
     started = time.perf_counter()
-    in_flight = await generator.pause(keep_requests=keep_requests)
+    in_flight = await (pausing or generator.pause(keep_requests=keep_requests))
     paused = time.perf_counter()
     # the trainer gathers and broadcasts while the engines receive: both sides wait on each bucket
     await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 # The image inputs of the actor's forward, as Idefics3-family HF models name them (molt/data.py: image_inputs).
@@ -84,7 +86,7 @@ class Trajectory:
 
 def check_token_identity(traj: Trajectory) -> None:
     """Fail fast unless the action tokens are exactly, and only, the ids the engine returned."""
-    actions = [t for t, is_action in zip(traj.token_ids, traj.action_mask) if is_action]
+    actions = list(compress(traj.token_ids, traj.action_mask))
     sampled = [t for output in traj.engine_outputs for t in output]
     lengths = {len(traj.token_ids), len(traj.action_mask), len(traj.logprobs), len(traj.versions)}
     if actions != sampled or len(lengths) != 1:
@@ -92,10 +94,9 @@ def check_token_identity(traj: Trajectory) -> None:
             f"token identity violated in rollout {traj.rollout_id} segment {traj.segment}: the trained "
             f"action tokens are not exactly the ids the engine returned"
         )
-    actions = [(v, lp) for v, lp, is_action in zip(traj.versions, traj.logprobs, traj.action_mask) if is_action]
-    if any(v < 0 for v, _ in actions):
+    if any(v < 0 for v in compress(traj.versions, traj.action_mask)):
         raise AssertionError(f"rollout {traj.rollout_id}: an action token has no engine weight version")
-    if not all(math.isfinite(lp) and lp <= 0 for _, lp in actions):
+    if not all(math.isfinite(lp) and lp <= 0 for lp in compress(traj.logprobs, traj.action_mask)):
         raise AssertionError(f"rollout {traj.rollout_id}: an action token's behaviour log-probability is not "
                              "one the engine could have returned (non-finite or positive)")
 
@@ -139,21 +140,14 @@ def collate(trajectories: list[Trajectory]) -> TrainBatch:
             raise ValueError(f"rollout {t.rollout_id}: its segments must be consecutive rows in order 0, 1, ...; "
                              f"got segment {t.segment} where segment {expected_segment} belongs")
         rollout_index.setdefault(t.rollout_id, len(rollout_index))
-    length = max(len(t.token_ids) for t in trajectories)
+    lengths = torch.tensor([len(t.token_ids) for t in trajectories])
+    length = int(lengths.max())
 
-    def padded(values: list, pad, dtype) -> torch.Tensor:
-        return torch.tensor(values + [pad] * (length - len(values)), dtype=dtype)
+    def padded(name: str, pad, dtype) -> torch.Tensor:
+        # One array for all rows: numpy converts nested lists ~2x faster than torch.tensor, ~20x than a tensor per row.
+        return torch.from_numpy(np.array([getattr(t, name) + [pad] * (length - len(t.token_ids)) for t in trajectories],
+                                         dtype=dtype))
 
-    rows = [
-        dict(
-            token_ids=padded(t.token_ids, 0, torch.long),
-            attention_mask=padded([True] * len(t.token_ids), False, torch.bool),
-            action_mask=padded(t.action_mask, False, torch.bool),
-            rollout_logprobs=padded(t.logprobs, 0.0, torch.float32),
-            versions=padded(t.versions, -1, torch.long),
-        )
-        for t in trajectories
-    ]
     routed_experts = None
     if any(t.routed_experts for t in trajectories):
         shape = torch.as_tensor(next(t.routed_experts for t in trajectories if t.routed_experts)[0]).shape
@@ -163,7 +157,11 @@ def collate(trajectories: list[Trajectory]) -> TrainBatch:
                 routed_experts[row, : len(t.routed_experts)] = torch.as_tensor(t.routed_experts)
     images = {name: _pad_images([t.multimodal.get(name) for t in trajectories]) for name in IMAGE_INPUTS}
     return TrainBatch(
-        **{name: torch.stack([row[name] for row in rows]) for name in rows[0]},
+        token_ids=padded("token_ids", 0, np.int64),
+        attention_mask=torch.arange(length) < lengths[:, None],
+        action_mask=padded("action_mask", False, np.bool_),
+        rollout_logprobs=padded("logprobs", 0.0, np.float32),
+        versions=padded("versions", -1, np.int64),
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         group_ids=torch.tensor([group_index.setdefault(t.group_id, len(group_index)) for t in trajectories]),
         rollout_ids=torch.tensor([rollout_index[t.rollout_id] for t in trajectories]),

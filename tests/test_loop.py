@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from molt.generator import Generator
 from molt.loop import train
+from molt.trainer import Trainer
 from molt import checkpoint
 from runs import check_prompt_stream, kill_tree, run_molt, steps_log, valid_plan
 
@@ -38,8 +40,24 @@ def test_async_schedule_trains_and_logs_every_stage(tmp_path):
     assert Path(summary["hf_export"], "config.json").exists()
 
 
-def test_sync_schedule_is_on_policy(tmp_path):
+def test_sync_schedule_is_on_policy(tmp_path, monkeypatch):
+    events = []  # when each pause began and each train step ended, in the driver
+    pause, train_step = Generator.pause, Trainer.train_step
+
+    async def recorded_pause(self, *args, **kwargs):
+        events.append("pausing")
+        return await pause(self, *args, **kwargs)
+
+    def recorded_train_step(self, *args, **kwargs):
+        result = train_step(self, *args, **kwargs)
+        events.append("trained")
+        return result
+
+    monkeypatch.setattr(Generator, "pause", recorded_pause)
+    monkeypatch.setattr(Trainer, "train_step", recorded_train_step)
     train(valid_plan(*SHORT, "schedule=sync"), str(tmp_path))
+    # Nothing generates while a sync step trains: the engines pause meanwhile, and the refit only sends weights.
+    assert events == ["pausing", "trained"] * 3
     assert gc.get_freeze_count() == 0  # the loop froze the heap for its steps; this process collects it again
     records = steps_log(tmp_path)
     assert all(r["staleness/max"] == 0 for r in records)
