@@ -96,9 +96,9 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             trainer = Trainer(plan, placement=placement.policy)
         stack.callback(trainer.shutdown)
         if plan.parallel.device == "cpu":  # chosen, not implied by Ray's CPU shares: say what they are
-            print(f"molt: each policy rank trains on {trainer.threads[0]} torch threads (trainer.cpu_threads); the engine's "
-                  f"OpenMP threads bind to {plan.rollout.cpu_omp_threads_bind} (rollout.cpu_omp_threads_bind)",
-                  file=sys.stderr)
+            print(f"molt: each policy rank trains on {trainer.threads[0]} torch threads (trainer.cpu_threads) at nice "
+                  f"+{plan.trainer.cpu_nice} (trainer.cpu_nice); the engine's OpenMP threads bind to "
+                  f"{plan.rollout.cpu_omp_threads_bind} (rollout.cpu_omp_threads_bind)", file=sys.stderr)
         reference = critic = None
         if plan.reference.enabled:
             with starting("reference rank", plan.parallel.actor_ranks):

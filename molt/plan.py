@@ -193,6 +193,11 @@ class TrainerPlan:
     gradient_checkpointing: bool = False
     # torch threads of each actor rank on CPU; None = chosen from the schedule (molt/placement.py rank_threads)
     cpu_threads: Optional[int] = None
+    # Added to each actor rank's nice value on CPU (Ray starts its workers, an engine's too, at 15; at most 19).
+    # A rank shares cores with the engine, the driver and Ray's workers, whose work is latency-bound (each
+    # request, each call waits on it); reniced, they run first when both want a core, and training, which is
+    # throughput-bound, takes the rest (README, Performance). 0 = as Ray started it.
+    cpu_nice: int = 10
 
 
 @dataclass

@@ -73,6 +73,7 @@ class PolicyWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Ray shows each actor only its own GPU
         else:
+            os.nice(self.plan.trainer.cpu_nice)  # first: the OpenMP threads the model's first ops start inherit it
             torch.set_num_threads(rank_threads(self.plan))
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)

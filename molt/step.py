@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import compress
 from typing import Awaitable, Optional
 
 import torch
@@ -26,7 +27,7 @@ from molt.trainer import Trainer
 
 
 def action_versions(rollout: list[Trajectory]) -> set[int]:
-    return {v for seg in rollout for v, is_action in zip(seg.versions, seg.action_mask) if is_action}
+    return {v for seg in rollout for v in compress(seg.versions, seg.action_mask)}
 
 
 def rollout_metrics(groups: list[Group], version: int) -> dict[str, float]:
@@ -35,7 +36,7 @@ def rollout_metrics(groups: list[Group], version: int) -> dict[str, float]:
     rewards = torch.tensor([r[0].reward for r in rollouts])
     lengths = torch.tensor([float(sum(seg.num_actions for seg in r)) for r in rollouts])
     lags = torch.tensor([float(version - v) for r in rollouts for seg in r
-                         for v, is_action in zip(seg.versions, seg.action_mask) if is_action])
+                         for v in compress(seg.versions, seg.action_mask)])
     metrics = {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std(unbiased=False).item(),

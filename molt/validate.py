@@ -107,6 +107,7 @@ RANGES = {
     "trainer.weight_decay": "[0, inf)",
     "trainer.grad_clip": "[0, inf)",  # 0 = no clipping
     "trainer.cpu_threads": "[1, inf)",
+    "trainer.cpu_nice": "[0, 19]",
     "checkpoint.every": "[0, inf)",  # 0 = only at the end
     "checkpoint.keep": "[0, inf)",  # 0 = keep all
     "logger.eval_every": "[0, inf)",  # 0 = never

@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,6 +101,10 @@ def test_logprobs_and_update_direction(tiny):
     reference = hf_model(tiny["dense"])
     try:
         assert trainer.threads == [rank_threads(plan)]  # set explicitly, not Ray's one thread for num_cpus=0.5
+        # reniced below Ray's other workers (an engine's among them), so that they run first on a shared core
+        rank_nice = ray.get(trainer.workers[0].__ray_call__.remote(lambda worker: os.getpriority(os.PRIO_PROCESS, 0)))
+        worker_nice = ray.get(ray.remote(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote())
+        assert rank_nice == min(19, worker_nice + plan.trainer.cpu_nice) > worker_nice
         for temperature in (1.0, 0.7):
             expected = hf_logprobs(reference, batch, temperature)
             torch.testing.assert_close(trainer.logprobs(batch, temperature), expected, rtol=0, atol=1e-5)
