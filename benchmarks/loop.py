@@ -56,6 +56,8 @@ SETTINGS = {
              "trainer.groups_per_step=8"],
 }
 SCHEDULES = ["sync", "async", "partial_rollout"]
+# The stages of a step the loop times one after another (its timing/* metrics); the rest is the driver's.
+STEP_TIMINGS = ("gen_wait", "collate", "logprobs", "advantage", "train", "refit")
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 
 
@@ -166,8 +168,7 @@ def steady(run: dict) -> dict:
         "refit (pause, weight transfer, resume)": mean("timing/refit") - mean("timing/refit_drain"),
         # The engines load the weights after the transfer while the next step goes on: in sync it waits for them.
         "refit load the next step's gen_wait waited for": mean("timing/refit_load_wait"),
-        "driver rest of step (collate, metrics)": mean("timing/step") - sum(
-            mean(f"timing/{k}") for k in ("gen_wait", "collate", "logprobs", "advantage", "train", "refit")),
+        "driver rest of step (metrics)": mean("timing/step") - sum(mean(f"timing/{k}") for k in STEP_TIMINGS),
         "between steps (logging, pool refill)": step_wall - mean("timing/step"),
     }
     compute = ("gen_wait", "refit drain (generation the refit waits for)", "logprobs", "train forward",
@@ -544,7 +545,7 @@ def startup_child(mode: str) -> None:
     molt.loop.train(plan, run_dir)
     with open(os.path.join(run_dir, "steps.jsonl")) as f:
         step = json.loads(f.readline())
-    for key in ("gen_wait", "collate", "logprobs", "advantage", "train", "refit"):
+    for key in STEP_TIMINGS:
         stages[f"step 0: {key}"] = step[f"timing/{key}"]
     accounted = sum(v for k, v in stages.items() if not k.startswith("python"))
     stages["rest of train() before the first step ends"] = step["timing/first_step_since_launch"] - accounted
