@@ -71,14 +71,15 @@ class Critic(Trainer):
 
     def values(self, batch: TrainBatch) -> Tensor:
         """V_t [B, T] for every action position (0 elsewhere): the old values for GAE and value clipping."""
-        data = self._put(batch)
+        data = self._ranks_batch(batch)
         return gather_rows(self.on_ranks("values", data), len(batch))
 
     def train_step(self, batch: TrainBatch, returns: Tensor, old_values: Tensor,
                    loss_mask: Tensor) -> dict[str, float]:
         """Clipped value loss (loss.value_clip) toward `returns`, one optimizer step per epoch pass."""
         check_shapes(batch, returns=returns, old_values=old_values, loss_mask=loss_mask)
-        data = self._put(batch, returns=returns.float(), old_values=old_values.float(), loss_mask=loss_mask.bool())
+        data = self._ranks_batch(batch, returns=returns.float(), old_values=old_values.float(),
+                                 loss_mask=loss_mask.bool())
         metrics = self.on_ranks("train_step", data, int(loss_mask.sum()))[0]
         self.step = metrics.pop("optimizer_steps")
         return metrics

@@ -43,6 +43,12 @@ from molt.tracking import Tracker
 from molt.trainer import RankDied, Trainer
 
 
+# Ray call arguments up to this size travel inside the call, not through the object store (Ray's default
+# limit: 100 KiB). A single trainer rank's batch (molt/trainer.py) is ~150 KB on the CPU default, and the
+# object store's round trip cost 4-6 ms of a 0.35 s step there.
+RAY_INLINE_BYTES = 1 << 20
+
+
 def train(plan: Plan, run_dir: str) -> dict:
     """Run plan.trainer.steps optimizer steps; returns the run summary."""
     return asyncio.run(_train(plan, os.path.abspath(run_dir)))
@@ -77,6 +83,8 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
     if plan.model.tiny:  # the tiny checkpoint is built at model.path on first use
         build_tiny(plan.model.tiny, plan.model.path, plan.model.warm_start_steps)
     if not ray.is_initialized():
+        # read by this process's Ray when it starts; a user's own setting stays
+        os.environ.setdefault("RAY_max_direct_call_object_size", str(RAY_INLINE_BYTES))
         with starting("Ray"):
             ray.init(address=plan.ray_address, include_dashboard=False,
                      log_to_driver=plan.logger.library_logs == "console")

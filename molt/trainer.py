@@ -59,9 +59,11 @@ class Trainer:
         except ray.exceptions.RayActorError as e:
             raise RankDied(f"a trainer rank died in {method}: {e}") from e
 
-    def _put(self, batch: TrainBatch, **tensors: Optional[Tensor]) -> ray.ObjectRef:
-        """Store the batch's [B, T] tensors once for all ranks, padded to a multiple of the data-parallel size
-        with copies of row 0 that carry no loss (every rank must run the same number of forward passes)."""
+    def _ranks_batch(self, batch: TrainBatch, **tensors: Optional[Tensor]) -> dict | ray.ObjectRef:
+        """The batch's [B, T] tensors as the ranks' call argument, padded to a multiple of the data-parallel
+        size with copies of row 0 that carry no loss (every rank must run the same number of forward passes).
+        Several ranks read one copy in Ray's object store; a single rank gets the tensors inside its call (up
+        to Ray's max_direct_call_object_size, which molt/loop.py raises), without the object store's round trip."""
         data = dict(token_ids=batch.token_ids, attention_mask=batch.attention_mask,
                     action_mask=batch.action_mask, **tensors)
         data.update({name: getattr(batch, name) for name in IMAGE_INPUTS if getattr(batch, name) is not None})
@@ -76,14 +78,14 @@ class Trainer:
                 data["loss_weights"][-pad:] = 0.0
             if data.get("routed_experts") is not None:
                 data["routed_experts"][-pad:] = -1  # the copies do not count in the routing agreement
-        return ray.put(data)
+        return ray.put(data) if len(self.workers) > 1 else data
 
     def logprobs(self, batch: TrainBatch, temperature: float, routed_experts: Optional[Tensor] = None) -> Tensor:
         """log p(token_t | tokens_<t) [B, T] of the batch's exact tokens, with the logits divided by the
         sampling temperature as the engine does; 0 off the action mask. With model.routing_replay the MoE
         layers replay `routed_experts` [B, T, layers, top_k] (-1: no recorded route; molt/routing.py)."""
         _check_routes(batch, routed_experts)
-        data = self._put(batch, routed_experts=routed_experts)
+        data = self._ranks_batch(batch, routed_experts=routed_experts)
         return gather_rows(self.on_ranks("logprobs", data, temperature), len(batch))
 
     def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Optional[Tensor], loss_mask: Tensor,
@@ -116,10 +118,10 @@ class Trainer:
         agent = self.plan.agent
         loss_weights = losses.token_weights(loss_mask, batch.rollout_ids, self.plan.loss.aggregation,
                                             max_rollout_tokens=agent.max_turns * agent.max_tokens_per_turn)
-        data = self._put(batch, advantages=advantages.float(), rollout_logprobs=batch.rollout_logprobs.float(),
-                         old_logprobs=None if old_logprobs is None else old_logprobs.float(),
-                         loss_mask=loss_mask.bool(), loss_weights=loss_weights, ref_logprobs=ref_logprobs,
-                         routed_experts=routed_experts)
+        data = self._ranks_batch(batch, advantages=advantages.float(), rollout_logprobs=batch.rollout_logprobs.float(),
+                                 old_logprobs=None if old_logprobs is None else old_logprobs.float(),
+                                 loss_mask=loss_mask.bool(), loss_weights=loss_weights, ref_logprobs=ref_logprobs,
+                                 routed_experts=routed_experts)
         kl_coef = self.plan.loss.kl_coef if kl_coef is None else kl_coef
         results = self.on_ranks("train_step", data, kl_coef)
         metrics = results[0][2]
