@@ -230,7 +230,7 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
                                    f"in the same directory (hydra.run.dir={run_dir}) to resume") from engine_died
             if step == state["step"]:
                 # What the first step imported lazily (~160K objects on the CPU default) lives for the run too.
-                # Unfrozen, every full collection scanned it: ~0.1 s stalls, one every ~10 steps.
+                # Unfrozen, every full collection scanned it: a ~0.1 s stall about once in 20 steps.
                 gc.collect()
                 gc.freeze()
 
