@@ -41,9 +41,8 @@ def test_async_schedule_trains_and_logs_every_stage(tmp_path):
 
 
 def test_sync_schedule_is_on_policy(tmp_path, monkeypatch):
-    events = []  # when each pause began and each train step ended, in the driver
-    frozen = []  # objects the collector no longer scans, at each train step
-    pause, train_step = Generator.pause, Trainer.train_step
+    events = []  # when each pause began, each train step ended and the heap was frozen, in the driver
+    pause, train_step, freeze = Generator.pause, Trainer.train_step, gc.freeze
 
     async def recorded_pause(self, *args, **kwargs):
         events.append("pausing")
@@ -52,18 +51,20 @@ def test_sync_schedule_is_on_policy(tmp_path, monkeypatch):
     def recorded_train_step(self, *args, **kwargs):
         result = train_step(self, *args, **kwargs)
         events.append("trained")
-        frozen.append(gc.get_freeze_count())
         return result
+
+    def recorded_freeze():
+        events.append("froze")
+        freeze()
 
     monkeypatch.setattr(Generator, "pause", recorded_pause)
     monkeypatch.setattr(Trainer, "train_step", recorded_train_step)
+    monkeypatch.setattr(gc, "freeze", recorded_freeze)
     train(valid_plan(*SHORT, "schedule=sync"), str(tmp_path))
     # Nothing generates while a sync step trains: the engines pause meanwhile, and the refit only sends weights.
-    assert events == ["pausing", "trained"] * 3
-    # The heap is frozen before the first step and once more after it (what that step imported); the run's
-    # end unfreezes it, so this process collects it again.
-    assert frozen[0] > 0 and frozen[1] > frozen[0] and frozen[2] == frozen[1], frozen
-    assert gc.get_freeze_count() == 0
+    # The heap is frozen before the first step and once more after it (what that step imported).
+    assert events == ["froze", "pausing", "trained", "froze"] + ["pausing", "trained"] * 2
+    assert gc.get_freeze_count() == 0  # the run's end unfroze it: this process collects it again
     records = steps_log(tmp_path)
     assert all(r["staleness/max"] == 0 for r in records)
     assert all(r["is/filtered_token_frac"] == 0 for r in records)
