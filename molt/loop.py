@@ -163,14 +163,16 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
 
         if eval_rows and state["step"] == 0:
             await log_eval(0)
-        # What exists now (modules, Ray handles, the datasets) lives for the whole run: frozen, the collector no
-        # longer scans it, and a full collection stops costing up to 0.5 s in the middle of a step. Collected
-        # first, so that no garbage is frozen with it.
-        gc.collect()
-        gc.freeze()
         stack.callback(gc.unfreeze)  # a later run in this process (tests) collects it again
         rewards_by_step = []
         for step in range(state["step"], plan.trainer.steps):
+            if step < state["step"] + 2:
+                # What exists before the first step (modules, Ray handles, the datasets) and what that step
+                # imported lazily (~160K objects on the CPU default) live for the whole run: frozen, the collector
+                # no longer scans them, and a full collection stops costing 0.1-0.5 s in the middle of a step.
+                # Collected first, so that no garbage is frozen with them.
+                gc.collect()
+                gc.freeze()
             t0 = time.perf_counter()
             try:
                 groups = await pool.next_batch()
@@ -228,11 +230,6 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             if engine_died:
                 raise RuntimeError(f"{engine_died}; wrote a checkpoint at step {step + 1} in {checkpoints}: run again "
                                    f"in the same directory (hydra.run.dir={run_dir}) to resume") from engine_died
-            if step == state["step"]:
-                # What the first step imported lazily (~160K objects on the CPU default) lives for the run too.
-                # Unfrozen, every full collection scanned it: a ~0.1 s stall about once in 20 steps.
-                gc.collect()
-                gc.freeze()
 
         await generator.loaded()  # the last refit's error, if it failed, is the run's
         summary = {"steps": len(rewards_by_step), "reward_by_step": rewards_by_step,
