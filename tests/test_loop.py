@@ -8,7 +8,9 @@ import json
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+import ray
 import torch
 
 from molt.generator import Generator
@@ -111,6 +113,30 @@ def test_gae_with_critic(tmp_path):
     train(valid_plan(*SHORT, "estimator=gae", "critic.enabled=true", "schedule=sync"), str(tmp_path))
     records = steps_log(tmp_path)
     assert all("critic/loss" in r for r in records)
+
+
+def test_a_part_that_fails_to_start_stops_the_parts_that_started(tmp_path, monkeypatch):
+    """The engines and the actor ranks start side by side: when one fails (here the critic), the run fails
+    with its error, and the engine and the policy rank that did start are stopped, their CPUs free again."""
+    import molt.loop
+
+    def critic_that_fails(*args, **kwargs):
+        raise RuntimeError("the critic could not start")
+
+    monkeypatch.setattr(molt.loop, "Critic", critic_that_fails)
+    free = ray.available_resources().get("CPU", 0.0)
+    with pytest.raises(RuntimeError, match="the critic could not start"):
+        train(valid_plan(*SHORT, "estimator=gae", "critic.enabled=true", "schedule=sync"), str(tmp_path))
+    deadline = time.monotonic() + 30  # Ray hands back a stopped actor's resources asynchronously
+
+    def left() -> list[str]:
+        names = [" ".join(p.info["cmdline"] or [])[:40] for p in psutil.process_iter(["cmdline"])]
+        return [name for name in names if name.startswith(("ray::RolloutEngine", "ray::PolicyWorker", "VLLM::"))]
+
+    while (left() or ray.available_resources().get("CPU", 0.0) < free) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left()  # the engine's own vLLM process too: stopped, not orphaned
+    assert ray.available_resources().get("CPU", 0.0) == pytest.approx(free)
 
 
 def test_on_policy_distillation(tmp_path):
