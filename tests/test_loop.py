@@ -123,15 +123,19 @@ def test_a_part_that_fails_to_start_stops_the_parts_that_started(tmp_path, monke
     def critic_that_fails(*args, **kwargs):
         raise RuntimeError("the critic could not start")
 
+    def run_processes() -> set[tuple[int, str]]:  # machine-wide: an orphaned vLLM process has no Ray parent
+        processes = {(p.pid, " ".join(p.info["cmdline"] or [])[:40]) for p in psutil.process_iter(["cmdline"])}
+        return {(pid, name) for pid, name in processes
+                if name.startswith(("ray::RolloutEngine", "ray::PolicyWorker", "VLLM::"))}
+
     monkeypatch.setattr(molt.loop, "Critic", critic_that_fails)
-    free = ray.available_resources().get("CPU", 0.0)
+    free, before = ray.available_resources().get("CPU", 0.0), run_processes()
     with pytest.raises(RuntimeError, match="the critic could not start"):
         train(valid_plan(*SHORT, "estimator=gae", "critic.enabled=true", "schedule=sync"), str(tmp_path))
     deadline = time.monotonic() + 30  # Ray hands back a stopped actor's resources asynchronously
 
-    def left() -> list[str]:
-        names = [" ".join(p.info["cmdline"] or [])[:40] for p in psutil.process_iter(["cmdline"])]
-        return [name for name in names if name.startswith(("ray::RolloutEngine", "ray::PolicyWorker", "VLLM::"))]
+    def left() -> set[tuple[int, str]]:  # this run's: not those of another run on the machine
+        return run_processes() - before
 
     while (left() or ray.available_resources().get("CPU", 0.0) < free) and time.monotonic() < deadline:
         time.sleep(0.5)
