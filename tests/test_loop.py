@@ -128,19 +128,30 @@ def test_a_part_that_fails_to_start_stops_the_parts_that_started(tmp_path, monke
         return {(pid, name) for pid, name in processes
                 if name.startswith(("ray::RolloutEngine", "ray::PolicyWorker", "VLLM::"))}
 
+    def free_cpus() -> float:
+        return ray.available_resources().get("CPU", 0.0)
+
+    # Ray hands back a stopped actor's CPUs asynchronously: let the last test's settle before counting
+    free, deadline = free_cpus(), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(2)
+        if free_cpus() == free:
+            break
+        free = free_cpus()
+
     monkeypatch.setattr(molt.loop, "Critic", critic_that_fails)
-    free, before = ray.available_resources().get("CPU", 0.0), run_processes()
+    before = run_processes()
     with pytest.raises(RuntimeError, match="the critic could not start"):
         train(valid_plan(*SHORT, "estimator=gae", "critic.enabled=true", "schedule=sync"), str(tmp_path))
-    deadline = time.monotonic() + 30  # Ray hands back a stopped actor's resources asynchronously
+    deadline = time.monotonic() + 30
 
     def left() -> set[tuple[int, str]]:  # this run's: not those of another run on the machine
         return run_processes() - before
 
-    while (left() or ray.available_resources().get("CPU", 0.0) < free) and time.monotonic() < deadline:
+    while (left() or free_cpus() < free) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left()  # the engine's own vLLM process too: stopped, not orphaned
-    assert ray.available_resources().get("CPU", 0.0) == pytest.approx(free)
+    assert free_cpus() >= free  # not ==: a CPU handed back later than the settling above is no leak of this run
 
 
 def test_on_policy_distillation(tmp_path):
