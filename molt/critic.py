@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,11 +31,11 @@ class CriticWorker(PolicyWorker):
         return F.pad(values, (1, token_ids.shape[1] - length))
 
     @torch.no_grad()
-    def values(self, data: dict) -> tuple[int, Tensor]:
+    def values(self, data: dict) -> tuple[int, np.ndarray]:
         self.model.eval()
         shard = self._shard(data)
         parts = [self._values(mb["token_ids"], mb["attention_mask"]).cpu() for mb in self._micro_batches(shard)]
-        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
+        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0).numpy()  # see _shard
 
     def train_step(self, data: dict, num_tokens: int) -> dict[str, float]:
         self.model.train()

@@ -15,6 +15,7 @@ import socket
 import time
 from typing import Iterator, Optional
 
+import numpy as np
 import ray
 import torch
 import torch.distributed as dist
@@ -122,8 +123,10 @@ class PolicyWorker:
         return hooks
 
     def _shard(self, data: dict) -> dict:
-        """This data-parallel rank's rows (the driver padded the batch to a multiple of dp_size)."""
-        return {k: v if v is None else v.tensor_split(self.dp_size)[self.dp_rank] for k, v in data.items()}
+        """This data-parallel rank's rows as tensors: the driver padded the batch to a multiple of dp_size and
+        sent numpy arrays (Trainer._ranks_batch), which Ray hands over read-only."""
+        return {k: v if v is None else torch.tensor(np.array_split(v, self.dp_size)[self.dp_rank])
+                for k, v in data.items()}
 
     def _micro_batches(self, shard: dict) -> list[dict]:
         rows = len(shard["token_ids"])
@@ -153,13 +156,13 @@ class PolicyWorker:
         return F.pad(logprobs, (1, token_ids.shape[1] - length)), logits
 
     @torch.no_grad()
-    def logprobs(self, data: dict, temperature: float) -> tuple[int, Tensor]:
+    def logprobs(self, data: dict, temperature: float) -> tuple[int, np.ndarray]:
         self.model.eval()
         shard = self._shard(data)
         parts = [self._forward(mb, temperature)[0].cpu() for mb in self._micro_batches(shard)]
-        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0)
+        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0).numpy()  # see _shard
 
-    def train_step(self, data: dict, kl_coef: float) -> tuple[int, Optional[Tensor], dict]:
+    def train_step(self, data: dict, kl_coef: float) -> tuple[int, Optional[np.ndarray], dict]:
         """Returns (dp rank, the old log-probs of this rank's rows if it computed them, metrics). Without
         data["old_logprobs"] (one epoch only) they are this forward's own, detached: the weights do not
         change before the optimizer step at the end."""
@@ -246,7 +249,7 @@ class PolicyWorker:
             result["moe/routing_agreement"] = result.pop("moe/routes_matching") / max(compared, 1)
         old_logprobs = None
         if own_old_logprobs:
-            old_logprobs = torch.where(shard["action_mask"], torch.cat(own_old_logprobs), 0.0)
+            old_logprobs = torch.where(shard["action_mask"], torch.cat(own_old_logprobs), 0.0).numpy()  # see _shard
         return self.dp_rank, old_logprobs, result | {
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lrs[-1],
