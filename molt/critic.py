@@ -35,7 +35,7 @@ class CriticWorker(PolicyWorker):
         self.model.eval()
         shard = self._shard(data)
         parts = [self._values(mb["token_ids"], mb["attention_mask"]).cpu() for mb in self._micro_batches(shard)]
-        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0).numpy()  # see _shard
+        return self.dp_rank, self._masked_rows(shard, parts)
 
     def train_step(self, data: dict, num_tokens: int) -> dict[str, float]:
         self.model.train()

@@ -128,6 +128,11 @@ class PolicyWorker:
         return {k: v if v is None else torch.tensor(np.array_split(v, self.dp_size)[self.dp_rank])
                 for k, v in data.items()}
 
+    def _masked_rows(self, shard: dict, parts: list[Tensor]) -> np.ndarray:
+        """The micro-batches' per-token results [rows, T] of this rank's shard, 0 off the action mask, as numpy
+        for the driver (gather_rows): Ray sends an array without a copy, a tensor through torch.save."""
+        return torch.where(shard["action_mask"], torch.cat(parts), 0.0).numpy()
+
     def _micro_batches(self, shard: dict) -> list[dict]:
         rows = len(shard["token_ids"])
         chunks = math.ceil(rows / self.plan.trainer.micro_batch_size)
@@ -160,7 +165,7 @@ class PolicyWorker:
         self.model.eval()
         shard = self._shard(data)
         parts = [self._forward(mb, temperature)[0].cpu() for mb in self._micro_batches(shard)]
-        return self.dp_rank, torch.where(shard["action_mask"], torch.cat(parts), 0.0).numpy()  # see _shard
+        return self.dp_rank, self._masked_rows(shard, parts)
 
     def train_step(self, data: dict, kl_coef: float) -> tuple[int, Optional[np.ndarray], dict]:
         """Returns (dp rank, the old log-probs of this rank's rows if it computed them, metrics). Without
@@ -249,7 +254,7 @@ class PolicyWorker:
             result["moe/routing_agreement"] = result.pop("moe/routes_matching") / max(compared, 1)
         old_logprobs = None
         if own_old_logprobs:
-            old_logprobs = torch.where(shard["action_mask"], torch.cat(own_old_logprobs), 0.0).numpy()  # see _shard
+            old_logprobs = self._masked_rows(shard, own_old_logprobs)
         return self.dp_rank, old_logprobs, result | {
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lrs[-1],
