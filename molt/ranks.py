@@ -403,9 +403,10 @@ class PolicyWorker:
 
 
 def all_reduce_metrics(values: dict[str, float], op, group) -> dict[str, float]:
-    """Reduce a dict of scalars over the data-parallel ranks in one collective."""
-    if not values:
-        return {}
+    """Reduce a dict of scalars over the data-parallel ranks in one collective; a single rank skips it (a train
+    step's three cost ~0.7 ms there, on the step's critical path)."""
+    if not values or dist.get_world_size(group) == 1:
+        return values
     names = sorted(values)
     reduced = torch.tensor([values[n] for n in names], dtype=torch.float64)
     dist.all_reduce(reduced, op=op, group=group)
