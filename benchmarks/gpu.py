@@ -221,16 +221,11 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
         return worst
 
     print(f"  engine vs this model before any refit (same weights): {await mismatch():.2e}", flush=True)
-    joined = {}
-
-    async def join_here(group):
-        joined["group"] = group
-        return await asyncio.to_thread(join, group, 0, device)
 
     started = time.perf_counter()
-    pg = await generator.connect_refit(RefitGroup.offer(model.state_dict().items(), device, timeout_s=120), join_here)
-    group = joined["group"]
-    bucket = group.wire_bucket(device)
+    peer = await generator.connect_refit(RefitGroup.offer(model.state_dict().items(), device, timeout_s=120),
+                                         lambda group: asyncio.to_thread(join, group, 0, device))
+    group = peer.group
     print(f"  group: {group.backend}, {group.world_size} ranks, sender on {device}, formed in "
           f"{time.perf_counter() - started:.2f} s; {sum(group.sizes()) / 1e6:.0f} MB per refit", flush=True)
     seconds = []
@@ -240,8 +235,8 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
                 parameter.mul_(1 + 0.05 * torch.randn_like(parameter))
         started = time.perf_counter()
         await generator.pause(keep_requests=False)
-        await generator.update_weights(
-            version, lambda: asyncio.to_thread(send, pg, group, model.state_dict().items(), bucket))
+        generator.receive(version)
+        await generator.send_weights(lambda: asyncio.to_thread(send, peer, model.state_dict().items()))
         await generator.loaded()  # the engines resume themselves once loaded
         seconds.append(time.perf_counter() - started)
     print(f"  refit (pause, broadcast + load, resume): median {statistics.median(seconds):.3f} s of {refits}, "

@@ -7,10 +7,11 @@ a multimodal prompt, expanding each IMAGE token into the model's image tokens; t
 rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
-Refit is pause (requests kept) -> update_weights, through vLLM's weight-transfer API with the backend in
-molt/refit.py: the sender (trainer rank 0) broadcasts to every engine worker over one process group, formed
-once by `connect_refit` (gloo on CPU, NCCL between GPUs). Each engine resumes once it has loaded the
-weights; `update_weights` returns when the sender is done, so the load overlaps the caller's next work.
+Refit is pause (requests kept) -> receive -> send_weights, through vLLM's weight-transfer API with the
+backend in molt/refit.py: the sender (trainer rank 0) broadcasts to every engine worker over one process
+group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs). The engines may start receiving
+before the sender starts: they wait for it. Each engine resumes once it has loaded the weights;
+`send_weights` returns when the sender is done, so the load overlaps the caller's next work.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class RolloutEngine:
         return in_flight
 
     async def update_weights(self, version: int) -> float:
-        """Receive a refit from the group's sender (it must be sending), label the weights `version` and resume
+        """Receive a refit from the group's sender (waiting for it to start), label the weights `version` and resume
         generation; after an error the engine stays paused. One Ray call for the whole update. Returns when it
         resumed (time.time())."""
         await self.llm.collective_rpc("receive_refit")  # molt.refit.RefitWorkerExtension
@@ -255,8 +256,8 @@ class Generator:
         self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
         self.calls: set[asyncio.Task] = set()  # the batched Ray calls in flight (asyncio keeps weak references)
         self.refit_connected = False
-        self.paused = False  # by pause() until update_weights() or resume(); nothing else pauses these engines
-        self.loading: Optional[asyncio.Task] = None  # the engines' side of the last update_weights()
+        self.paused = False  # by pause() until receive() or resume(); nothing else pauses these engines
+        self.loading: Optional[asyncio.Task] = None  # the engines' side of the last refit, from receive()
         self.load_error: Optional[BaseException] = None  # why that failed
         self.loaded_at = 0.0  # time.perf_counter() when every engine had loaded the last refit and resumed
 
@@ -365,27 +366,28 @@ class Generator:
         self.refit_connected = True
         return joined[0]
 
-    async def update_weights(self, version: int, send: Callable[[], Awaitable]) -> None:
-        """Broadcast new weights into every (paused) engine and label them `version`; each engine resumes once
-        it has loaded them. `send()` starts the sender's half (rank 0 of the refit group); it runs together with
-        the engines' receive, since each bucket's broadcast waits for all ranks.
-
-        Returns when `send()` is done. The engines then still load what they received (vLLM's layer-wise
-        reload, most of a refit on CPU) while the caller goes on, e.g. with the trainer's next step; requests
-        made meanwhile wait here and reach the engines once they have loaded. `loaded()` waits for the load,
-        `check_loaded()` raises if it failed."""
+    def receive(self, version: int) -> None:
+        """Have every (paused) engine receive the next refit and label its weights `version`; returns at once.
+        Each engine waits for the sender (send_weights: it may start later), loads what it received (vLLM's
+        layer-wise reload, most of a refit on CPU) and resumes by itself. Requests made meanwhile wait here
+        and reach the engines once they have loaded. `loaded()` waits for the load, `check_loaded()` raises
+        if it failed."""
         if not self.refit_connected:
-            raise RuntimeError("update_weights needs the refit group: call connect_refit() first")
+            raise RuntimeError("receive needs the refit group: call connect_refit() first")
         if not self.paused:
-            raise RuntimeError("update_weights needs paused engines: call pause() first")
+            raise RuntimeError("receive needs paused engines: call pause() first")
         self.paused = False
         self.loading = asyncio.ensure_future(self._load(version))
+
+    async def send_weights(self, send: Callable[[], Awaitable]) -> None:
+        """Wait for `send()`, the sender's half of the refit that receive() started (rank 0 of the refit
+        group); the engines go on loading after it returns. A dead engine explains a failed send first."""
         try:
             await send()
         except BaseException:
             await asyncio.wait([self.loading])  # the engines' receive fails too, at once when a peer died
             if isinstance(self.load_error, ray.exceptions.RayActorError):
-                raise self.load_error  # a dead engine explains the sender's failed broadcast
+                raise self.load_error
             raise
 
     async def _load(self, version: int) -> None:
@@ -415,7 +417,7 @@ class Generator:
             raise self.load_error
 
     async def resume(self) -> None:
-        """Resume after a pause() that no update_weights() followed (that resumes the engines itself)."""
+        """Resume after a pause() that no receive() followed (the engines resume themselves after a refit)."""
         await self.loaded()
         await asyncio.gather(*(e.resume.remote() for e in self.engines))
         self.paused = False

@@ -36,7 +36,7 @@ from molt.losses import adaptive_kl_coef
 from molt.placement import reserve
 from molt.plan import Plan
 from molt.pool import EngineDied, Group, RolloutPool
-from molt.step import optimizer_step, refit, rollout_metrics
+from molt.step import connect_refit, optimizer_step, receive_refit, refit, rollout_metrics
 from molt.tiny import build_tiny
 from molt.trace import Trajectory
 from molt.tracking import Tracker
@@ -141,6 +141,8 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             return await run_env_rollout(agent.AgentRunner, row, generator, tokenizer, plan, rollout_id, group_id,
                                          processor)
 
+        # Before any train call: rank 0 joins the group in a call of its own, which must not queue behind a step.
+        await connect_refit(generator, trainer)
         state = {"step": 0, "pool": {"next_index": 0, "reissue": []}, "kl_coef": plan.loss.kl_coef}
         resume_from = checkpoint.latest(checkpoints) if plan.checkpoint.resume else None
         if resume_from:
@@ -197,17 +199,20 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             t_batch = time.perf_counter()
             batch_path = os.path.join(batches, f"step_{step}.pt") if plan.logger.save_batches else None
             refit_due = (version + 1) % plan.schedule.refit_every == 0
-            pausing = None
+            receiving = None
             if refit_due and plan.schedule.queue_depth == 1:
-                # Nothing generates until this step's refit: the engines pause while the actor trains, off its path.
-                pausing = asyncio.ensure_future(generator.pause(keep_requests=plan.schedule.partial_rollout))
-            metrics = await optimizer_step(plan, groups, trainer, reference, critic, version, kl_coef, batch_path)
+                # Nothing generates until this step's refit: the engines pause and wait for the weights while the
+                # actor trains, and its rank 0 sends them the moment its optimizer step is done (refit_after).
+                receiving = asyncio.ensure_future(
+                    receive_refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout))
+            metrics = await optimizer_step(plan, groups, trainer, reference, critic, version, kl_coef, batch_path,
+                                           refit_after=receiving is not None)
             t_train = time.perf_counter()
             engine_died, drain_s = None, 0.0
             if refit_due:
                 try:
                     drain_s = await refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout,
-                                          pausing=pausing)
+                                          receiving=receiving)
                 except ray.exceptions.RayActorError as e:  # the update is made: record the step, then stop
                     engine_died = EngineDied(f"a rollout engine died during the weight update: {e}")
             t_end = time.perf_counter()

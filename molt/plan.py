@@ -61,7 +61,9 @@ class RolloutPlan:
     # Refit: trainer rank 0 broadcasts to every engine worker (molt/refit.py). auto: NCCL between GPUs,
     # gloo through host memory on CPU or when an engine worker shares rank 0's GPU; gloo: host memory always.
     weight_transfer: str = "auto"
-    refit_timeout_s: float = 300.0  # longest wait of one refit collective: a dead peer is an error after it
+    # longest wait of one refit collective: a silent peer is an error after it (the engines wait for the
+    # sender to start a refit without a limit: it may be training; a dead sender fails that wait at once)
+    refit_timeout_s: float = 300.0
     samples_per_prompt: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

@@ -61,6 +61,7 @@ class PolicyWorker:
         self.plan, self.rank, self.world_size = plan, rank, world_size
         self.model_path, self.trainable = model_path, trainable
         self.device = torch.device("cuda", 0) if plan.parallel.device == "cuda" else torch.device("cpu")
+        self.trained = False  # the last train_step finished (send_weights' after_train_step)
 
     def master_address(self) -> tuple[str, int]:
         """An address and free port on this node for the process-group rendezvous (asked of rank 0)."""
@@ -172,6 +173,7 @@ class PolicyWorker:
         data["old_logprobs"] (one epoch only) they are this forward's own, detached: the weights do not
         change before the optimizer step at the end."""
         started = time.perf_counter()
+        self.trained = False
         plan = self.plan
         shard = self._shard(data)
         own_old_logprobs = []
@@ -255,6 +257,7 @@ class PolicyWorker:
         old_logprobs = None
         if own_old_logprobs:
             old_logprobs = self._masked_rows(shard, own_old_logprobs)
+        self.trained = True
         return self.dp_rank, old_logprobs, result | {
             "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lrs[-1],
@@ -341,11 +344,18 @@ class PolicyWorker:
         """Rank 0: join the refit group as its sender (with the engines, see Generator.connect_refit)."""
         from molt.refit import join
 
-        self.refit_group, self.refit_pg = group, join(group, rank=0, device=self.device)
-        self.refit_bucket = group.wire_bucket(self.device)
+        self.refit_peer = join(group, rank=0, device=self.device)
 
-    def send_weights(self) -> None:
-        """Every rank's part of a refit: gather the tensors one by one; rank 0 broadcasts them to the engines."""
+    def send_weights(self, after_train_step: bool = False) -> None:
+        """Every rank's part of a refit: gather the tensors one by one; rank 0 broadcasts them to the engines.
+        after_train_step: the call was queued behind a train step (Trainer.train_step's refit_after), and
+        sends only if that step finished; otherwise rank 0 aborts the refit for the engines waiting for it."""
+        if after_train_step and not self.trained:
+            if self.rank == 0:
+                from molt.refit import abort
+
+                abort(self.refit_peer)
+            raise RuntimeError("send_weights: the train step queued before this refit failed; nothing was sent")
         tensors = self._engine_tensors()
         if self.rank != 0:
             for _ in tensors:  # this rank's share of each all-gather
@@ -353,7 +363,7 @@ class PolicyWorker:
             return
         from molt.refit import send
 
-        send(self.refit_pg, self.refit_group, tensors, self.refit_bucket)
+        send(self.refit_peer, tensors)
 
     def save(self, path: str) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)

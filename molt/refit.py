@@ -10,9 +10,16 @@ arrived, so neither side holds more than one bucket and one tensor in flight. Ea
 once, when it joins, and reuses it: on CPU a fresh 64 MiB buffer per refit cost a page fault per 4 KiB
 touched, more than the copy into it.
 
+A receiver may start a refit before the sender does: it first waits for the sender's doorbell, a key the
+sender sets in the group's store when it starts, and that wait has no time limit (in a sync schedule the
+engines wait there while the actor trains, so the weights go out the moment its optimizer step is done).
+The store is served from the sender's process, so a dead sender fails the wait at once; a sender that
+cannot send (its train step failed) rings `abort` instead.
+
 Backend: NCCL (buckets on the GPUs) when no engine worker shares trainer rank 0's GPU; gloo through host
 memory on CPU, or when one does (NCCL refuses two ranks of one communicator on one GPU). Each collective
-waits at most `timeout_s`: a dead or silent peer is an error, never a hang.
+waits at most `timeout_s`: a dead or silent peer is an error, never a hang (the doorbell waits for a live
+sender only).
 
 The receiving side is a vLLM weight-transfer backend: vLLM imports this module in each worker because the
 engine names `RefitWorkerExtension` as its `worker_extension_cls`, and the import registers it under
@@ -38,6 +45,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 BACKEND = "molt_broadcast"
 BUCKET_BYTES = 64 << 20  # large enough that a bucket's broadcast is bandwidth-bound, small next to a model
+# How long a receiver waits for the sender to start a refit: the sender may be training. A dead sender fails
+# the wait at once, and the loop stops the engines when the trainer fails.
+SENDER_WAIT = timedelta(days=1)
 
 
 @dataclass
@@ -91,7 +101,7 @@ class RefitGroup(WeightTransferInitInfo):
 
     def wire_bucket(self, device: torch.device = torch.device("cpu")) -> torch.Tensor:
         """The buffer one rank sends or receives every refit through: one bucket, or the whole stream when
-        that is smaller. Allocate it once per group and pass it to every send / receive."""
+        that is smaller; join() allocates it once per group (RefitPeer.bucket)."""
         return torch.empty(min(self.bucket_bytes, sum(self.sizes())), dtype=torch.uint8,
                            device=self.wire_device(device))
 
@@ -105,35 +115,53 @@ def refit_backend(weight_transfer: str, sender_gpu: Optional[str], engine_gpus: 
     return "nccl"
 
 
-def join(group: RefitGroup, rank: int, device: torch.device = torch.device("cpu")) -> dist.ProcessGroup:
+@dataclass
+class RefitPeer:
+    """One rank's membership of the refit group, from join(): what it sends or receives through."""
+
+    group: RefitGroup
+    pg: dist.ProcessGroup
+    store: dist.Store  # the rendezvous store, served from rank 0's process: the sender's doorbell
+    bucket: torch.Tensor  # group.wire_bucket, allocated once
+    refits: int = 0  # refits this rank has started; the number of the next doorbell
+
+    def ring(self, message: str) -> None:
+        self.refits += 1  # a doorbell stays set (a few bytes a refit): a slow receiver may not have looked yet
+        self.store.set(f"molt/refit/{self.refits}", message)
+
+
+def join(group: RefitGroup, rank: int, device: torch.device = torch.device("cpu")) -> RefitPeer:
     """Join the refit group as `rank` (blocks until every rank has joined, or timeout_s), then check that a
     broadcast really arrives: a transport that silently does nothing must fail here, loudly."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     try:
-        pg = stateless_init_torch_distributed_process_group(
-            group.host, group.port, rank, group.world_size, group.backend, timeout=timedelta(seconds=group.timeout_s)
+        pg, store = stateless_init_torch_distributed_process_group(
+            group.host, group.port, rank, group.world_size, group.backend, timeout=timedelta(seconds=group.timeout_s),
+            return_store=True,
         )
     except Exception as e:
         raise RuntimeError(
             f"refit group: rank {rank} of {group.world_size} could not join at {group.host}:{group.port} "
             f"within rollout.refit_timeout_s={group.timeout_s}: a peer died or never started ({e})"
         ) from e
+    peer = RefitPeer(group, pg, store, group.wire_bucket(device))
     expected = torch.tensor([group.world_size, len(group.names)], device=group.wire_device(device))
     probe = expected.clone() if rank == 0 else torch.zeros_like(expected)
-    _broadcast(probe, pg, group)
+    _broadcast(probe, peer)
     if not torch.equal(probe, expected):
         raise RuntimeError(
             f"refit group: the {group.backend} broadcast delivered {probe.tolist()} instead of {expected.tolist()}"
             "; the transport does not work here (set rollout.weight_transfer=gloo to go through host memory)"
         )
-    return pg
+    return peer
 
 
-def send(pg: dist.ProcessGroup, group: RefitGroup, named_tensors: Iterable[tuple[str, torch.Tensor]],
-         bucket: torch.Tensor) -> None:
-    """Rank 0's half of a refit: broadcast `named_tensors`, which must match the group's names, dtypes and
-    shapes in order (any layout: non-contiguous tensors are copied), through `bucket` (group.wire_bucket)."""
+def send(peer: RefitPeer, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Rank 0's half of a refit: ring the receivers' doorbell, then broadcast `named_tensors`, which must match
+    the group's names, dtypes and shapes in order (any layout: non-contiguous tensors are copied)."""
+    peer.ring("send")
+    group, bucket = peer.group, peer.bucket
     expected = list(zip(group.names, group.dtypes, group.shapes))
     filled = count = 0
     for name, tensor in named_tensors:
@@ -150,18 +178,36 @@ def send(pg: dist.ProcessGroup, group: RefitGroup, named_tensors: Iterable[tuple
             bucket[filled : filled + n].copy_(data[done : done + n])
             filled, done = filled + n, done + n
             if filled == len(bucket):
-                _broadcast(bucket, pg, group)
+                _broadcast(bucket, peer)
                 filled = 0
     if count != len(expected):
         raise ValueError(f"refit: sent {count} tensors, the refit group agreed on {len(expected)}")
     if filled:
-        _broadcast(bucket[:filled], pg, group)
+        _broadcast(bucket[:filled], peer)
 
 
-def receive(pg: dist.ProcessGroup, group: RefitGroup, bucket: torch.Tensor, device: torch.device = torch.device("cpu")
-            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A receiver's half of a refit, through `bucket` (group.wire_bucket): yield each tensor of the group, on
-    `device`, once its last byte came."""
+def abort(peer: RefitPeer) -> None:
+    """Rank 0: tell receivers waiting for this refit that no weights will come."""
+    peer.ring("abort")
+
+
+def wait_for_sender(peer: RefitPeer) -> None:
+    """A receiver's start of a refit: return once the sender has started it (see SENDER_WAIT)."""
+    peer.refits += 1
+    try:
+        peer.store.wait([f"molt/refit/{peer.refits}"], SENDER_WAIT)
+    except RuntimeError as e:  # DistNetworkError: the store's server, in the sender's process, is gone
+        raise RuntimeError(f"refit: the sender (trainer rank 0) died before it sent refit {peer.refits} "
+                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    if peer.store.get(f"molt/refit/{peer.refits}") == b"abort":
+        raise RuntimeError(f"refit {peer.refits}: the sender aborted it (the train step before it failed); "
+                           "these weights are unchanged")
+
+
+def receive(peer: RefitPeer, device: torch.device = torch.device("cpu")) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver's half of a refit, after wait_for_sender: yield each tensor of the group, on `device`, once
+    its last byte came."""
+    group, bucket = peer.group, peer.bucket
     wire = bucket.device
     buckets = iter(group.buckets())
     used = size = 0  # bytes of the current bucket consumed / received
@@ -172,21 +218,21 @@ def receive(pg: dist.ProcessGroup, group: RefitGroup, bucket: torch.Tensor, devi
         while done < nbytes:
             if used == size:
                 size, used = next(buckets), 0
-                _broadcast(bucket[:size], pg, group)
+                _broadcast(bucket[:size], peer)
             n = min(nbytes - done, size - used)
             data[done : done + n].copy_(bucket[used : used + n])
             used, done = used + n, done + n
         yield name, tensor.to(device)
 
 
-def _broadcast(tensor: torch.Tensor, pg: dist.ProcessGroup, group: RefitGroup) -> None:
+def _broadcast(tensor: torch.Tensor, peer: RefitPeer) -> None:
     try:
         # group_src, not src: src is a rank of the default group, which this stateless group is not part of
-        dist.broadcast(tensor, group=pg, group_src=0)
+        dist.broadcast(tensor, group=peer.pg, group_src=0)
     except RuntimeError as e:
         raise RuntimeError(
             f"refit broadcast failed: a peer of the refit group died or did not answer within "
-            f"rollout.refit_timeout_s={group.timeout_s} ({type(e).__name__}: {e})"
+            f"rollout.refit_timeout_s={peer.group.timeout_s} ({type(e).__name__}: {e})"
         ) from e
 
 
@@ -208,9 +254,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[RefitGroup, RefitUpdate
     def init_transfer_engine(self, init_info: RefitGroup) -> None:
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
-        self.group = init_info
-        self.pg = join(init_info, rank, self.device)
-        self.bucket = init_info.wire_bucket(self.device)
+        self.peer = join(init_info, rank, self.device)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -226,7 +270,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[RefitGroup, RefitUpdate
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
-        self.model.load_weights(receive(self.pg, self.group, self.bucket, self.device))
+        self.model.load_weights(receive(self.peer, self.device))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -247,7 +291,7 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[RefitGroup, RefitUpdate
                 moe_kernel.fused_experts.process_weights_after_loading(module)
 
     def shutdown(self) -> None:
-        self.pg = self.bucket = None  # the group closes its connections when it is freed
+        self.peer = None  # the group closes its connections when it is freed
 
 
 class RefitWorkerExtension:
@@ -259,8 +303,11 @@ class RefitWorkerExtension:
         return _gpu_uuid() if torch.cuda.is_available() else None
 
     def receive_refit(self) -> None:
-        """This worker's whole part of a refit: vLLM's start, update (the receive) and finish of a weight
-        update, in one call from the engine instead of one round trip each."""
+        """This worker's whole part of a refit, in one call from the engine instead of one round trip each:
+        the wait for the sender, then vLLM's start, update (the receive) and finish of a weight update. The
+        start (vLLM's reload set-up) comes after the wait, so that it does not take a core from a training
+        sender."""
+        wait_for_sender(self.weight_transfer_engine.peer)
         self.start_weight_update()
         self.update_weights({})
         self.finish_weight_update()

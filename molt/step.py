@@ -55,11 +55,13 @@ def rollout_metrics(groups: list[Group], version: int) -> dict[str, float]:
 
 
 async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, reference: Trainer | None,
-                         critic: Critic | None, version: int, kl_coef: float, batch_path: str | None) -> dict[str, float]:
+                         critic: Critic | None, version: int, kl_coef: float, batch_path: str | None,
+                         refit_after: bool = False) -> dict[str, float]:
     """Train the policy (and critic) on `groups`, rollouts sampled by weight versions up to `version`, the
     trainer's optimizer steps so far. kl_coef weighs the KL to the reference (a reward or loss term). With
     batch_path the trained batch, its advantages and loss mask are saved there (logger.save_batches).
-    Returns the step's metrics."""
+    refit_after: the trainer sends the new weights right after its step (Trainer.train_step), to engines
+    already receiving them. Returns the step's metrics."""
     t0 = time.perf_counter()
     # the one gate: only tokens, log-probs and versions the engine gave reach the trainer
     batch = collate([segment for group in groups for rollout in group.rollouts for segment in rollout])
@@ -100,6 +102,7 @@ async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, refe
     kl_loss_ref = ref_logprobs if (kl_coef > 0 and not loss.kl_in_reward) else None
     train_metrics, old_logprobs = await asyncio.to_thread(
         trainer.train_step, batch, advantages, old_logprobs, loss_mask, kl_loss_ref, batch.routed_experts, kl_coef,
+        refit_after,
     )
     if critic:
         critic_metrics = await asyncio.to_thread(critic.train_step, batch, returns, values, loss_mask)
@@ -121,24 +124,37 @@ async def optimizer_step(plan: Plan, groups: list[Group], trainer: Trainer, refe
     }
 
 
-async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool,
-                pausing: Optional[Awaitable[int]] = None) -> float:
-    """Pause the engines and send them the actor's weights labelled `version`. Returns once the trainer has
-    sent them, with the seconds the refit waited for in-flight requests (`timing/refit_drain`: the pause's,
-    when requests were in flight). Each engine then loads the weights and resumes by itself while the caller
-    goes on, so the trainer can start the next step (Generator.update_weights). `pausing`: the engines' pause,
-    when the caller started it already (Generator.pause).
+async def connect_refit(generator: Generator, trainer: Trainer) -> None:
+    """Form the refit group of trainer rank 0 and every engine worker (molt/refit.py), once."""
+    group = await asyncio.to_thread(trainer.refit_offer)
+    await generator.connect_refit(group, lambda group: asyncio.to_thread(trainer.join_refit, group))
+
+
+async def receive_refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> int:
+    """The engines' half of a refit: form the refit group the first time (molt/refit.py), pause the engines
+    and have them receive the trainer's next weights, labelled `version` (Generator.receive); they wait for
+    the send. Returns how many requests were in flight at the pause.
 
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
     the version it was sampled under; otherwise in-flight requests finish on the old weights first, inside
     the pause: with an async schedule that is generation the step waits for, not weight transfer.
     """
-    if not generator.refit_connected:  # the first refit forms the broadcast group (molt/refit.py)
-        group = await asyncio.to_thread(trainer.refit_offer)
-        await generator.connect_refit(group, lambda group: asyncio.to_thread(trainer.join_refit, group))
+    if not generator.refit_connected:
+        await connect_refit(generator, trainer)
+    in_flight = await generator.pause(keep_requests=keep_requests)
+    generator.receive(version)
+    return in_flight
+
+
+async def refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool,
+                receiving: Optional[Awaitable[int]] = None) -> float:
+    """Send the engines the actor's weights labelled `version`: receive_refit, unless the caller started it
+    already (`receiving`), then the trainer's send (or the one its train step queued: Trainer.train_step's
+    refit_after). Returns once the trainer has sent them, with the seconds the refit waited for in-flight
+    requests (`timing/refit_drain`: the pause's, when requests were in flight and not kept). Each engine then
+    loads the weights and resumes by itself while the caller goes on, so the trainer can start the next step."""
     started = time.perf_counter()
-    in_flight = await (pausing or generator.pause(keep_requests=keep_requests))
+    in_flight = await (receiving or receive_refit(generator, trainer, version, keep_requests))
     paused = time.perf_counter()
-    # the trainer gathers and broadcasts while the engines receive: both sides wait on each bucket
-    await generator.update_weights(version, lambda: asyncio.to_thread(trainer.send_weights))
+    await generator.send_weights(lambda: asyncio.to_thread(trainer.send_weights))
     return paused - started if in_flight and not keep_requests else 0.0

@@ -52,11 +52,15 @@ class Trainer:
             self.shutdown(graceful=False)  # a failed start must not leave ranks holding CPUs or GPUs
             raise
         self.step = 0  # optimizer steps taken
+        self.queued_send: Optional[list[ray.ObjectRef]] = None  # train_step's refit_after, until send_weights
 
     def on_ranks(self, method: str, *args) -> list:
         """Call `method` on every rank and wait for all; a dead rank is a RankDied naming the method."""
+        return self._wait(method, [getattr(worker, method).remote(*args) for worker in self.workers])
+
+    def _wait(self, method: str, calls: list[ray.ObjectRef]) -> list:
         try:
-            return ray.get([getattr(worker, method).remote(*args) for worker in self.workers])
+            return ray.get(calls)
         except ray.exceptions.RayActorError as e:
             raise RankDied(f"a trainer rank died in {method}: {e}") from e
 
@@ -94,7 +98,7 @@ class Trainer:
 
     def train_step(self, batch: TrainBatch, advantages: Tensor, old_logprobs: Optional[Tensor], loss_mask: Tensor,
                    ref_logprobs: Optional[Tensor] = None, routed_experts: Optional[Tensor] = None,
-                   kl_coef: Optional[float] = None) -> tuple[dict[str, float], Tensor]:
+                   kl_coef: Optional[float] = None, refit_after: bool = False) -> tuple[dict[str, float], Tensor]:
         """plan.trainer.epochs_per_batch passes over the batch, one optimizer step per pass, each token's
         loss weighted by its importance weight (loss.importance_sampling) of old_logprobs against the
         engine's batch.rollout_logprobs. old_logprobs None (one epoch only) takes the old log-probs from the
@@ -106,7 +110,12 @@ class Trainer:
         loss_weights), grad_norm, lr, entropy, clip fraction, the importance weights' is/* fractions, tokens and
         timings; for MoE models loss/moe_aux and, given the engine's `routed_experts` [B, T, layers, top_k]
         (replayed with model.routing_replay), moe/routing_agreement. kl_coef (default loss.kl_coef) weighs the KL loss term against ref_logprobs;
-        the loop passes the adaptive controller's current value."""
+        the loop passes the adaptive controller's current value.
+
+        refit_after: queue the refit's send on the ranks right behind the step, so that rank 0 broadcasts the
+        new weights the moment its optimizer step is done, with no round trip through this process; the
+        engines must be receiving (Generator.receive), and send_weights() then waits for this send. A step
+        that fails sends nothing: rank 0 aborts the refit instead."""
         self._require_trainable("train")
         if old_logprobs is None and self.plan.trainer.epochs_per_batch != 1:
             raise ValueError(
@@ -127,7 +136,10 @@ class Trainer:
                                  loss_mask=loss_mask.bool(), loss_weights=loss_weights, ref_logprobs=ref_logprobs,
                                  routed_experts=routed_experts)
         kl_coef = self.plan.loss.kl_coef if kl_coef is None else kl_coef
-        results = self.on_ranks("train_step", data, kl_coef)
+        calls = [worker.train_step.remote(data, kl_coef) for worker in self.workers]
+        if refit_after:
+            self.queued_send = [worker.send_weights.remote(True) for worker in self.workers]
+        results = self._wait("train_step", calls)
         metrics = results[0][2]
         self.step = metrics.pop("optimizer_steps")
         if old_logprobs is None:
@@ -153,10 +165,11 @@ class Trainer:
         ray.get(self.workers[0].join_refit.remote(group))
 
     def send_weights(self) -> None:
-        """Broadcast the policy's weights to the refit group; call together with the engines' receive
-        (Generator.update_weights)."""
+        """Broadcast the policy's weights to the refit group (the engines receive them: Generator.receive), or
+        wait for the broadcast the last train_step queued (refit_after)."""
         self._require_trainable("send weights")
-        self.on_ranks("send_weights")
+        calls, self.queued_send = self.queued_send or [worker.send_weights.remote() for worker in self.workers], None
+        self._wait("send_weights", calls)
 
     def save(self, root: str, extra: dict) -> str:
         """Write a distributed checkpoint of model, optimizer, scheduler and RNG plus the JSON `extra` to

@@ -42,11 +42,7 @@ class Engine:
         self.version = 0  # of the weights in the engine and in `hf`
         # This process is the refit group's sender; 1 MiB buckets, so tensors span buckets.
         offer = RefitGroup.offer(self.hf.state_dict().items(), bucket_bytes=1 << 20, timeout_s=60)
-        self.refit_pg = self.run(generator.connect_refit(offer, self.join))
-
-    async def join(self, group):
-        self.refit_group, self.refit_bucket = group, group.wire_bucket()
-        return await asyncio.to_thread(join, group, 0)
+        self.refit_peer = self.run(generator.connect_refit(offer, lambda group: asyncio.to_thread(join, group, 0)))
 
     def run(self, coroutine):
         return self.loop.run_until_complete(coroutine)
@@ -70,16 +66,19 @@ class Engine:
         logits = self.hf(ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
 
-    async def refit(self, scale=0.05):
-        """Perturb every HF parameter and load the new HF state dict into the (paused) engines."""
+    async def refit(self, scale=0.05, send_after_s=0.0):
+        """Perturb every HF parameter and load the new HF state dict into the (paused) engines. send_after_s:
+        the engines start receiving that long before this process starts sending (a sync schedule's engines
+        wait while the actor trains)."""
         self.version += 1
         generator = torch.Generator().manual_seed(self.version)
         with torch.no_grad():
             for parameter in self.hf.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
         tensors = self.hf.state_dict().items()
-        await self.generator.update_weights(
-            self.version, lambda: asyncio.to_thread(send, self.refit_pg, self.refit_group, tensors, self.refit_bucket))
+        self.generator.receive(self.version)
+        await asyncio.sleep(send_after_s)
+        await self.generator.send_weights(lambda: asyncio.to_thread(send, self.refit_peer, tensors))
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -118,7 +117,9 @@ def test_token_in_token_out_matches_hf(engine, temperature):
 @pytest.mark.slow
 def test_refit_matches_updated_hf_model(engine):
     assert engine.run(engine.generator.pause()) == 0  # requests in flight: none
-    engine.run(engine.refit())
+    # The engines start receiving a second before the sender starts, as a sync schedule's do while the
+    # actor trains: they wait for it.
+    engine.run(engine.refit(send_after_s=1.0))
     # Sent at once, while the engines may still be loading: they wait for the new weights, and the engines
     # resume on their own (a timeout, not a hang, if they did not).
     prompts = [engine.prompt(f"What is {a} * 3?") for a in range(4)]
@@ -171,11 +172,11 @@ def test_request_in_flight_across_refit_reports_both_versions(engine):
 
 
 @pytest.mark.slow
-def test_update_weights_needs_pause(engine):
+def test_receive_needs_pause(engine):
     if engine.kind != "dense":
         pytest.skip("engine-independent check")
     with pytest.raises(RuntimeError, match="call pause\\(\\) first"):
-        engine.run(engine.generator.update_weights(9, lambda: pytest.fail("sent to engines that are not paused")))
+        engine.generator.receive(9)
 
 
 @pytest.mark.slow
@@ -230,7 +231,7 @@ def test_router_keeps_sessions_and_balances_new_ones():
 def refit_bookkeeping_engine(calls: list, load_error=None):
     """A stand-in for a RolloutEngine actor handle, for the refit bookkeeping of Generator alone (the refit
     itself is tested on the real engines above): each method's .remote() is a coroutine that logs the call;
-    update_weights fails with load_error."""
+    update_weights (the engine's receive) fails with load_error."""
     async def call(name, *args):
         calls.append(name if name != "generate_batch" else f"generate_batch x{len(args[0])}")
         await asyncio.sleep(0.01)
@@ -256,12 +257,14 @@ def test_engines_resume_themselves_after_a_refit():
 
     async def refit():
         await generator.pause()
-        await generator.update_weights(1, lambda: asyncio.sleep(0))
-        assert generator.loaded_at == 0.0, "update_weights waited for the engines' load"
+        generator.receive(1)
+        await generator.send_weights(lambda: asyncio.sleep(0))
+        assert generator.loaded_at == 0.0, "send_weights waited for the engines' load"
         await generator.loaded()
         assert generator.loaded_at > 0.0
         await generator.pause()  # the next refit
-        await generator.update_weights(2, lambda: asyncio.sleep(0))
+        generator.receive(2)
+        await generator.send_weights(lambda: asyncio.sleep(0))
         await generator.loaded()
 
     asyncio.run(refit())
@@ -275,7 +278,8 @@ def test_requests_made_while_the_engines_load_reach_them_after_the_load_in_one_c
 
     async def refit_then_generate():
         await generator.pause()
-        await generator.update_weights(1, lambda: asyncio.sleep(0))
+        generator.receive(1)
+        await generator.send_weights(lambda: asyncio.sleep(0))
         first = asyncio.ensure_future(generator.generate([1], **sampling))
         await asyncio.sleep(0)  # the second request comes a tick later, while the engine still loads
         second = generator.generate([2], **sampling)
@@ -293,7 +297,8 @@ def test_a_failed_load_resumes_the_engines_and_stops_every_later_use():
 
     async def refit():
         await generator.pause()
-        await generator.update_weights(1, lambda: asyncio.sleep(0))
+        generator.receive(1)
+        await generator.send_weights(lambda: asyncio.sleep(0))
         with pytest.raises(RuntimeError, match="lm_head.bias"):
             await generator.loaded()
         with pytest.raises(RuntimeError, match="lm_head.bias"):
@@ -315,7 +320,8 @@ def test_a_dead_engine_explains_a_failed_send():
 
     async def refit(generator):
         await generator.pause()
-        await generator.update_weights(1, send)
+        generator.receive(1)
+        await generator.send_weights(send)
 
     dead = refit_bookkeeping_engine([], load_error=ray.exceptions.RayActorError())
     with pytest.raises(ray.exceptions.RayActorError):

@@ -43,29 +43,44 @@ def test_async_schedule_trains_and_logs_every_stage(tmp_path):
 
 
 def test_sync_schedule_is_on_policy(tmp_path, monkeypatch):
-    events = []  # when each pause began, each train step ended and the heap was frozen, in the driver
-    pause, train_step, freeze = Generator.pause, Trainer.train_step, gc.freeze
+    # when each pause began, the engines started receiving, each train step ended (queueing the refit's send
+    # behind it or not), the refit waited for the send, and the heap was frozen, in the driver
+    events = []
+    pause, receive, train_step, send_weights, freeze = (Generator.pause, Generator.receive, Trainer.train_step,
+                                                         Trainer.send_weights, gc.freeze)
 
     async def recorded_pause(self, *args, **kwargs):
         events.append("pausing")
         return await pause(self, *args, **kwargs)
 
+    def recorded_receive(self, *args, **kwargs):
+        events.append("receiving")
+        return receive(self, *args, **kwargs)
+
     def recorded_train_step(self, *args, **kwargs):
         result = train_step(self, *args, **kwargs)
-        events.append("trained")
+        events.append("trained, send queued" if self.queued_send else "trained")
         return result
+
+    def recorded_send_weights(self):
+        events.append("queued send waited for" if self.queued_send else "sent")
+        return send_weights(self)
 
     def recorded_freeze():
         events.append("froze")
         freeze()
 
     monkeypatch.setattr(Generator, "pause", recorded_pause)
+    monkeypatch.setattr(Generator, "receive", recorded_receive)
     monkeypatch.setattr(Trainer, "train_step", recorded_train_step)
+    monkeypatch.setattr(Trainer, "send_weights", recorded_send_weights)
     monkeypatch.setattr(gc, "freeze", recorded_freeze)
     train(valid_plan(*SHORT, "schedule=sync"), str(tmp_path))
-    # Nothing generates while a sync step trains: the engines pause meanwhile, and the refit only sends weights.
-    # The heap is frozen before the first step and once more after it (what that step imported).
-    assert events == ["froze", "pausing", "trained", "froze"] + ["pausing", "trained"] * 2
+    # Nothing generates while a sync step trains: the engines pause and start receiving meanwhile, and rank 0
+    # sends the weights right behind its step. The heap is frozen before the first step and once more after
+    # it (what that step imported).
+    step = ["pausing", "receiving", "trained, send queued", "queued send waited for"]
+    assert events == ["froze", *step, "froze", *step, *step]
     assert gc.get_freeze_count() == 0  # the run's end unfroze it: this process collects it again
     records = steps_log(tmp_path)
     assert all(r["staleness/max"] == 0 for r in records)

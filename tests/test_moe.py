@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from molt import routing
 from molt.data import Conversation
 from molt.plan import Plan
-from molt.refit import join, receive
+from molt.refit import join, receive, wait_for_sender
 from molt.tiny import build_tiny
 from molt.trace import Sample, TrainBatch
 from molt.trainer import Trainer
@@ -337,9 +337,10 @@ def received_by_refit(trainer: Trainer) -> dict[str, torch.Tensor]:
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(join, group, 1)
         trainer.join_refit(group)
-        pg = joined.result()
+        peer = joined.result()
         sent = pool.submit(trainer.send_weights)
-        received = dict(receive(pg, group, group.wire_bucket()))
+        wait_for_sender(peer)
+        received = dict(receive(peer))
         sent.result()
     return received
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from molt.refit import RefitGroup, join, receive, refit_backend, send
+from molt.refit import RefitGroup, abort, join, receive, refit_backend, send, wait_for_sender
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,13 +53,17 @@ def test_every_tensor_arrives_bit_identical_whatever_the_buckets(bucket_bytes):
     assert group.wire_bucket().numel() == min(bucket_bytes, total)
 
     def sender(g):
-        pg, bucket = join(g, 0), g.wire_bucket()
+        peer = join(g, 0)
         for refit in (tensors, updated):
-            send(pg, g, refit.items(), bucket)
+            send(peer, refit.items())
 
     def receiver(g):
-        pg, bucket = join(g, 1), g.wire_bucket()
-        return [list(receive(pg, g, bucket)) for _ in range(2)]
+        peer = join(g, 1)
+        refits = []
+        for _ in range(2):
+            wait_for_sender(peer)
+            refits.append(list(receive(peer)))
+        return refits
 
     _, refits = two_ranks(group, sender, receiver)
     for sent, received in zip((tensors, updated), refits):
@@ -75,20 +79,50 @@ def test_a_tensor_the_group_did_not_agree_on_is_refused_and_the_receiver_times_o
     changed = dict(tensors, **{"norm.weight": torch.zeros(9, dtype=torch.bfloat16)})
 
     def sender(g):
-        pg = join(g, 0)
+        peer = join(g, 0)
         with pytest.raises(ValueError, match="tensor 1 is .*norm.weight.*the model changed"):
-            send(pg, g, changed.items(), g.wire_bucket())
+            send(peer, changed.items())
         time.sleep(g.timeout_s + 3)  # alive but silent: the receiver must not wait for it past its timeout
 
     def receiver(g):
-        pg = join(g, 1)
+        peer = join(g, 1)
+        wait_for_sender(peer)  # the sender rang before it refused
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="refit broadcast failed.*refit_timeout_s=2"):
-            list(receive(pg, g, g.wire_bucket()))
+            list(receive(peer))
         return time.monotonic() - start
 
     _, waited = two_ranks(group, sender, receiver)
     assert waited < 2 + 2
+
+
+def test_a_receiver_waits_for_a_late_sender_past_the_timeout_and_an_abort_ends_the_wait():
+    """A sync schedule's engines start receiving while the actor trains, for longer than the group's timeout:
+    the wait for the sender's doorbell has no time limit. A sender that cannot send (its train step failed)
+    aborts the refit: the waiting receiver fails naming that, and the next refit goes through."""
+    tensors = model_like_tensors()
+    group = RefitGroup.offer(tensors.items(), timeout_s=1)
+
+    def sender(g):
+        peer = join(g, 0)
+        time.sleep(g.timeout_s + 2)  # training
+        abort(peer)
+        time.sleep(0.5)
+        send(peer, tensors.items())
+
+    def receiver(g):
+        peer = join(g, 1)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="refit 1: the sender aborted it"):
+            wait_for_sender(peer)
+        waited = time.monotonic() - start
+        wait_for_sender(peer)
+        return waited, list(receive(peer))
+
+    _, (waited, received) = two_ranks(group, sender, receiver)
+    assert waited > group.timeout_s + 1
+    assert [name for name, _ in received] == list(tensors)
+    assert all(torch.equal(tensor, tensors[name]) for name, tensor in received)
 
 
 def test_a_peer_that_never_joins_is_an_error_after_the_timeout():
@@ -102,32 +136,43 @@ def test_a_peer_that_never_joins_is_an_error_after_the_timeout():
 PEER = """
 import json, sys, time
 from molt.refit import RefitGroup, join
-join(RefitGroup(**json.loads(sys.argv[1])), 0)
+peer = join(RefitGroup(**json.loads(sys.argv[1])), 0)
+if sys.argv[2] == "rang":
+    peer.ring("send")  # as send() does first; then it dies before any tensor goes out
 print("joined", flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_sender_is_an_error_at_once_not_a_hang():
-    """Trainer rank 0 (here a process that joins the group) is SIGKILLed: the receiver fails at once. A
-    killed engine during a refit: tests/test_faults.py test_dead_engine_stops_the_run_with_a_checkpoint_..."""
+@pytest.mark.parametrize("rang", [False, True])
+def test_a_killed_sender_is_an_error_at_once_not_a_hang(rang):
+    """Trainer rank 0 (here a process that joins the group) is SIGKILLed, before it starts the refit or during
+    it: the receiver, waiting for its doorbell or for its tensors, fails at once. A killed engine during a
+    refit: tests/test_faults.py test_dead_engine_stops_the_run_with_a_checkpoint_..."""
     tensors = model_like_tensors()
     group = dataclasses.replace(RefitGroup.offer(tensors.items(), bucket_bytes=100, timeout_s=60), world_size=2,
                                 backend="gloo")
-    peer = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(dataclasses.asdict(group))],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    peer_process = subprocess.Popen(
+        [sys.executable, "-c", PEER, json.dumps(dataclasses.asdict(group)), "rang" if rang else "silent"],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     try:
-        pg = join(group, 1)
-        assert peer.stdout.readline().strip() == "joined"
-        os.kill(peer.pid, signal.SIGKILL)
-        peer.wait()
+        peer = join(group, 1)
+        assert peer_process.stdout.readline().strip() == "joined"
+        if rang:
+            wait_for_sender(peer)
+        os.kill(peer_process.pid, signal.SIGKILL)
+        peer_process.wait()
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="refit broadcast failed: a peer of the refit group died"):
-            list(receive(pg, group, group.wire_bucket()))
+        if rang:
+            with pytest.raises(RuntimeError, match="refit broadcast failed: a peer of the refit group died"):
+                list(receive(peer))
+        else:
+            with pytest.raises(RuntimeError, match="the sender .trainer rank 0. died before it sent refit 1"):
+                wait_for_sender(peer)
         assert time.monotonic() - start < 10, "a dead peer was only noticed at the timeout"
     finally:
-        peer.kill()
-        peer.wait()
+        peer_process.kill()
+        peer_process.wait()
 
 
 def test_backend_follows_the_devices_and_rollout_weight_transfer():

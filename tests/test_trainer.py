@@ -1,8 +1,10 @@
 """The trainer on real Ray actors, gloo and the tiny HF checkpoints: log-probabilities against a plain HF
 forward, the direction and invariance of an update, the state dict for refit, checkpoints and export."""
 
+import dataclasses
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -16,6 +18,7 @@ from molt.tiny import build_tiny
 from molt.trace import TrainBatch
 from molt import checkpoint
 from molt.ranks import lr_factor
+from molt.refit import join, receive, wait_for_sender
 from molt.trainer import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
@@ -205,6 +208,48 @@ def test_two_ranks_equal_one_rank(tiny):
         torch.testing.assert_close(two.logprobs(batch, 1.0), hf_logprobs(updated, batch, 1.0), rtol=0, atol=1e-5)
     finally:
         two.shutdown()
+
+
+def test_a_refit_queued_behind_a_train_step_sends_its_weights_or_aborts_when_it_fails(tiny):
+    """train_step(refit_after=True) queues rank 0's send behind the step (the sync schedule's refit): this
+    process, an engine's only worker, already waits for it and receives the stepped weights. Behind a step
+    that fails on the rank (a token id outside the vocabulary) rank 0 sends nothing and aborts the refit,
+    the waiting receiver is told so, and the next refit goes through."""
+    trainer = Trainer(make_plan(tiny["dense"], micro_batch_size=5))
+    batch = make_batch(rows=5)
+    advantages = row_advantages(batch, [1, -1, 1, 1, -1])
+    broken = dataclasses.replace(batch, token_ids=batch.token_ids.masked_fill(batch.action_mask, 10**6))
+    group = dataclasses.replace(trainer.refit_offer(), world_size=2, backend="gloo")
+
+    def received(peer) -> dict[str, torch.Tensor]:
+        wait_for_sender(peer)
+        return dict(receive(peer))
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(join, group, 1)
+            trainer.join_refit(group)
+            peer = joined.result()
+            receiving = pool.submit(received, peer)
+            trainer.train_step(batch, advantages, None, batch.action_mask, refit_after=True)
+            trainer.send_weights()  # waits for the queued send
+            stepped = trainer.state_dict()
+            assert receiving.result(timeout=60).keys() <= stepped.keys()
+            assert all(torch.equal(tensor, stepped[name]) for name, tensor in receiving.result().items())
+
+            receiving = pool.submit(received, peer)
+            with pytest.raises(ray.exceptions.RayTaskError, match="index out of range"):
+                trainer.train_step(broken, advantages, None, batch.action_mask, refit_after=True)
+            with pytest.raises(ray.exceptions.RayTaskError, match="the train step queued before this refit failed"):
+                trainer.send_weights()
+            with pytest.raises(RuntimeError, match="the sender aborted it"):
+                receiving.result(timeout=60)
+
+            receiving = pool.submit(received, peer)
+            trainer.send_weights()
+            assert all(torch.equal(tensor, stepped[name]) for name, tensor in receiving.result(timeout=60).items())
+    finally:
+        trainer.shutdown()
 
 
 def test_checkpoint_resume_and_export(tiny, tmp_path):
