@@ -123,11 +123,16 @@ class RefitPeer:
     pg: dist.ProcessGroup
     store: dist.Store  # the rendezvous store, served from rank 0's process: the sender's doorbell
     bucket: torch.Tensor  # group.wire_bucket, allocated once
-    refits: int = 0  # refits this rank has started; the number of the next doorbell
+    refits: int = 0  # refits this rank has started
+
+    @property
+    def doorbell(self) -> str:
+        """The store key of the current refit's doorbell."""
+        return f"molt/refit/{self.refits}"
 
     def ring(self, message: str) -> None:
         self.refits += 1  # a doorbell stays set (a few bytes a refit): a slow receiver may not have looked yet
-        self.store.set(f"molt/refit/{self.refits}", message)
+        self.store.set(self.doorbell, message)
 
 
 def join(group: RefitGroup, rank: int, device: torch.device = torch.device("cpu")) -> RefitPeer:
@@ -195,11 +200,11 @@ def wait_for_sender(peer: RefitPeer) -> None:
     """A receiver's start of a refit: return once the sender has started it (see SENDER_WAIT)."""
     peer.refits += 1
     try:
-        peer.store.wait([f"molt/refit/{peer.refits}"], SENDER_WAIT)
+        peer.store.wait([peer.doorbell], SENDER_WAIT)
     except RuntimeError as e:  # DistNetworkError: the store's server, in the sender's process, is gone
         raise RuntimeError(f"refit: the sender (trainer rank 0) died before it sent refit {peer.refits} "
                            f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
-    if peer.store.get(f"molt/refit/{peer.refits}") == b"abort":
+    if peer.store.get(peer.doorbell) == b"abort":
         raise RuntimeError(f"refit {peer.refits}: the sender aborted it (the train step before it failed); "
                            "these weights are unchanged")
 
