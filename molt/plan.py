@@ -62,7 +62,7 @@ class RolloutPlan:
     # gloo through host memory on CPU or when an engine worker shares rank 0's GPU; gloo: host memory always.
     weight_transfer: str = "auto"
     # longest wait of one refit collective: a silent peer is an error after it (the engines wait for the
-    # sender to start a refit without a limit: it may be training; a dead sender fails that wait at once)
+    # sender to start a refit for up to a day: it may be training; a dead sender fails that wait at once)
     refit_timeout_s: float = 300.0
     samples_per_prompt: int = 8
     temperature: float = 1.0

@@ -11,10 +11,10 @@ once, when it joins, and reuses it: on CPU a fresh 64 MiB buffer per refit cost 
 touched, more than the copy into it.
 
 A receiver may start a refit before the sender does: it first waits for the sender's doorbell, a key the
-sender sets in the group's store when it starts, and that wait has no time limit (in a sync schedule the
-engines wait there while the actor trains, so the weights go out the moment its optimizer step is done).
-The store is served from the sender's process, so a dead sender fails the wait at once; a sender that
-cannot send (its train step failed) rings `abort` instead.
+sender sets in the group's store when it starts, and that wait is not bounded by `timeout_s` (SENDER_WAIT:
+in a sync schedule the engines wait there while the actor trains, so the weights go out the moment its
+optimizer step is done). The store is served from the sender's process, so a dead sender fails the wait at
+once; a sender that cannot send (its train step failed) rings `abort` instead.
 
 Backend: NCCL (buckets on the GPUs) when no engine worker shares trainer rank 0's GPU; gloo through host
 memory on CPU, or when one does (NCCL refuses two ranks of one communicator on one GPU). Each collective

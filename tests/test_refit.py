@@ -98,7 +98,7 @@ def test_a_tensor_the_group_did_not_agree_on_is_refused_and_the_receiver_times_o
 
 def test_a_receiver_waits_for_a_late_sender_past_the_timeout_and_an_abort_ends_the_wait():
     """A sync schedule's engines start receiving while the actor trains, for longer than the group's timeout:
-    the wait for the sender's doorbell has no time limit. A sender that cannot send (its train step failed)
+    the wait for the sender's doorbell is not bounded by it. A sender that cannot send (its train step failed)
     aborts the refit: the waiting receiver fails naming that, and the next refit goes through."""
     tensors = model_like_tensors()
     group = RefitGroup.offer(tensors.items(), timeout_s=1)
