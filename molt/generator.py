@@ -63,6 +63,7 @@ def prepare_engine(model_path: str, rollout: RolloutPlan, device: str, seed: int
         # runs inside the engine-core process AsyncLLM spawns anyway: one process (~0.8 GiB RSS) fewer.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rollout.cpu_omp_threads_bind
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(rollout.cpu_onednn_cache_capacity)
         if rollout.cpu_reserved_cores is not None:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(rollout.cpu_reserved_cores)
         if rollout.cpu_preload_iomp:  # takes effect in the engine processes vLLM spawns

@@ -76,6 +76,9 @@ class RolloutPlan:
     cpu_omp_threads_bind: str = "auto"
     cpu_reserved_cores: Optional[int] = None
     cpu_preload_iomp: bool = False
+    # oneDNN's primitive cache in the engine process (ONEDNN_PRIMITIVE_CACHE_CAPACITY): it keeps a compiled
+    # matmul for every layer shape and batch token count it met, so its size bounds how far the engine grows
+    cpu_onednn_cache_capacity: int = 256
     engine_args: dict[str, Any] = field(default_factory=dict)  # anything else vLLM's engine accepts
 
 

@@ -69,6 +69,7 @@ RANGES = {
     "rollout.top_p": "(0, 1]",
     "rollout.top_k": "[-1, inf)",  # -1 or 0 = off
     "rollout.cpu_reserved_cores": "[0, inf)",
+    "rollout.cpu_onednn_cache_capacity": "[0, inf)",  # 0: no cache
     "rollout.refit_timeout_s": "(0, inf)",
     "agent.max_turns": "[1, inf)",
     "agent.max_tokens_per_turn": "[1, inf)",

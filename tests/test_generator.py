@@ -5,9 +5,11 @@ and the session router."""
 
 import asyncio
 import functools
+import os
 import time
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,6 +22,7 @@ from molt.validate import validate
 from runs import compose_plan
 
 TOLERANCE = 1e-5
+ONEDNN_CACHE = 128
 
 
 @pytest.fixture(scope="session")
@@ -87,8 +90,10 @@ def engine(request, local_ray, loop, tmp_path_factory):
     model runs on two engines, so each refit broadcasts into both (one refit group, ranks 1 and 2)."""
     kind = request.param
     path = build_tiny(kind, str(tmp_path_factory.mktemp("models") / kind))
+    # cpu_onednn_cache_capacity: a value other than the default, to see it reach the engines' processes
     plan = Plan(model=ModelPlan(path=path, tiny=kind, moe=kind == "moe"),
-                rollout=RolloutPlan(max_model_len=512, engines=2 if kind == "dense" else 1))
+                rollout=RolloutPlan(max_model_len=512, engines=2 if kind == "dense" else 1,
+                                    cpu_onednn_cache_capacity=ONEDNN_CACHE))
     generator = loop.run_until_complete(Generator.start(plan))
     engine = Engine(kind, path, generator, loop)
     engine.run(engine.generate(engine.prompt("warm up")))  # the first request pays one-off kernel setup
@@ -128,6 +133,16 @@ def test_refit_matches_updated_hf_model(engine):
     for prompt, sample in zip(prompts, samples):
         assert sample.versions == [engine.version] * len(sample.token_ids)
         assert_close(sample.logprobs, engine.hf_logprobs(prompt, sample.token_ids))
+
+
+@pytest.mark.slow
+def test_the_model_runs_in_a_process_with_the_planned_onednn_cache(engine):
+    # oneDNN reads ONEDNN_PRIMITIVE_CACHE_CAPACITY once, in the engine-core process that runs the model
+    for actor in engine.generator.engines:
+        pid = engine.run(actor.__ray_call__.remote(lambda self: os.getpid()))
+        cores = [p for p in psutil.Process(pid).children() if p.cmdline()[0].startswith("VLLM::EngineCore")]
+        assert len(cores) == 1
+        assert cores[0].environ().get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == str(ONEDNN_CACHE)
 
 
 @pytest.mark.slow
