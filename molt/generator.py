@@ -195,10 +195,12 @@ class RolloutEngine:
         await self.llm.engine_core.pause_scheduler_async(mode="keep" if keep_requests else "wait", clear_cache=True)
         return in_flight
 
-    async def update_weights(self, version: int) -> float:
+    async def update_weights(self, version: int, pause_first: bool = False) -> float:
         """Receive a refit from the group's sender (waiting for it to start), label the weights `version` and resume
-        generation; after an error the engine stays paused. One Ray call for the whole update. Returns when it
-        resumed (time.time())."""
+        generation; after an error the engine stays paused. One Ray call for the whole update, pause_first
+        included: a pause that keeps in-flight requests (partial rollout). Returns when it resumed (time.time())."""
+        if pause_first:
+            await self.pause(keep_requests=True)
         await self.llm.collective_rpc("receive_refit")  # molt.refit.RefitWorkerExtension
         await self.llm.update_weight_version(str(version))
         await self.llm.resume_generation()
@@ -257,7 +259,7 @@ class Generator:
         self.unsent: list[list[tuple[tuple, asyncio.Future]]] = [[] for _ in engines]
         self.calls: set[asyncio.Task] = set()  # the batched Ray calls in flight (asyncio keeps weak references)
         self.refit_connected = False
-        self.paused = False  # by pause() until receive() or resume(); nothing else pauses these engines
+        self.paused = False  # by pause() until receive() or resume() (pause_and_receive's pause is part of its load)
         self.loading: Optional[asyncio.Task] = None  # the engines' side of the last refit, from receive()
         self.load_error: Optional[BaseException] = None  # why that failed
         self.loaded_at = 0.0  # time.perf_counter() when every engine had loaded the last refit and resumed
@@ -380,6 +382,16 @@ class Generator:
         self.paused = False
         self.loading = asyncio.ensure_future(self._load(version))
 
+    async def pause_and_receive(self, version: int) -> None:
+        """pause(keep_requests=True), then receive(version), in one call to each engine: partial rollout needs no
+        count of the requests in flight, and the driver-engine round trip saved is on the step's path. The
+        sender may already be sending (Trainer.train_step's refit_after): the pause keeps requests, so it takes
+        one engine step, not a drain."""
+        if not self.refit_connected:
+            raise RuntimeError("pause_and_receive needs the refit group: call connect_refit() first")
+        await self.loaded()  # an engine still loading the last refit would resume after this pause
+        self.loading = asyncio.ensure_future(self._load(version, pause_first=True))
+
     async def send_weights(self, send: Callable[[], Awaitable]) -> None:
         """Wait for `send()`, the sender's half of the refit that receive() started (rank 0 of the refit
         group); the engines go on loading after it returns. A dead engine explains a failed send first."""
@@ -391,8 +403,8 @@ class Generator:
                 raise self.load_error
             raise
 
-    async def _load(self, version: int) -> None:
-        results = await asyncio.gather(*(e.update_weights.remote(version) for e in self.engines),
+    async def _load(self, version: int, pause_first: bool = False) -> None:
+        results = await asyncio.gather(*(e.update_weights.remote(version, pause_first) for e in self.engines),
                                        return_exceptions=True)
         # A dead process explains the others' failed broadcast: report a dead engine first.
         errors = sorted((r for r in results if isinstance(r, BaseException)),

@@ -199,14 +199,18 @@ async def _run(plan: Plan, run_dir: str, tracker: Tracker, started: float) -> di
             t_batch = time.perf_counter()
             batch_path = os.path.join(batches, f"step_{step}.pt") if plan.logger.save_batches else None
             refit_due = (version + 1) % plan.schedule.refit_every == 0
+            # Rank 0 sends the new weights the moment its optimizer step is done, with no round trip through this
+            # process (refit_after), where the engines receive soon enough: in sync they pause and wait for them
+            # while the actor trains (nothing generates until this refit), with partial rollout they pause right
+            # after the step, for one engine step (requests are kept). A pause that lets requests finish could keep
+            # the sender waiting past rollout.refit_timeout_s, so there the send waits for it.
+            refit_after = refit_due and (plan.schedule.queue_depth == 1 or plan.schedule.partial_rollout)
             receiving = None
             if refit_due and plan.schedule.queue_depth == 1:
-                # Nothing generates until this step's refit: the engines pause and wait for the weights while the
-                # actor trains, and its rank 0 sends them the moment its optimizer step is done (refit_after).
                 receiving = asyncio.ensure_future(
                     receive_refit(generator, trainer, version + 1, keep_requests=plan.schedule.partial_rollout))
             metrics = await optimizer_step(plan, groups, trainer, reference, critic, version, kl_coef, batch_path,
-                                           refit_after=receiving is not None)
+                                           refit_after=refit_after)
             t_train = time.perf_counter()
             engine_died, drain_s = None, 0.0
             if refit_due:

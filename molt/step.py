@@ -133,15 +133,19 @@ async def connect_refit(generator: Generator, trainer: Trainer) -> None:
 async def receive_refit(generator: Generator, trainer: Trainer, version: int, keep_requests: bool) -> int:
     """The engines' half of a refit: form the refit group the first time (molt/refit.py), pause the engines
     and have them receive the trainer's next weights, labelled `version` (Generator.receive); they wait for
-    the send. Returns how many requests were in flight at the pause.
+    the send. Returns how many requests were in flight at a pause that let them finish (0 when kept).
 
     keep_requests (partial rollout) lets in-flight requests continue on the new weights, each token keeping
-    the version it was sampled under; otherwise in-flight requests finish on the old weights first, inside
-    the pause: with an async schedule that is generation the step waits for, not weight transfer.
+    the version it was sampled under, and the pause is part of the engines' receive call; otherwise in-flight
+    requests finish on the old weights first, inside the pause: with an async schedule that is generation the
+    step waits for, not weight transfer.
     """
     if not generator.refit_connected:
         await connect_refit(generator, trainer)
-    in_flight = await generator.pause(keep_requests=keep_requests)
+    if keep_requests:
+        await generator.pause_and_receive(version)
+        return 0
+    in_flight = await generator.pause(keep_requests=False)
     generator.receive(version)
     return in_flight
 

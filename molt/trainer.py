@@ -114,7 +114,8 @@ class Trainer:
 
         refit_after: queue the refit's send on the ranks right behind the step, so that rank 0 broadcasts the
         new weights the moment its optimizer step is done, with no round trip through this process; the
-        engines must be receiving (Generator.receive), and send_weights() then waits for this send. A step
+        engines must be receiving or about to (Generator.receive, pause_and_receive: the broadcast waits for them
+        at most rollout.refit_timeout_s), and send_weights() then waits for this send. A step
         that fails sends nothing: rank 0 aborts the refit instead."""
         self._require_trainable("train")
         if old_logprobs is None and self.plan.trainer.epochs_per_batch != 1:

@@ -69,16 +69,22 @@ class Engine:
         logits = self.hf(ids).logits[0, len(prompt_ids) - 1 : -1] / temperature
         return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
 
-    async def refit(self, scale=0.05, send_after_s=0.0):
+    async def refit(self, scale=0.05, send_after_s=0.0, pause_in_receive=False):
         """Perturb every HF parameter and load the new HF state dict into the (paused) engines. send_after_s:
         the engines start receiving that long before this process starts sending (a sync schedule's engines
-        wait while the actor trains)."""
+        wait while the actor trains). pause_in_receive: the engines, not paused yet, pause keeping their
+        requests in the receive call, after this process started sending (partial rollout's refit)."""
         self.version += 1
         generator = torch.Generator().manual_seed(self.version)
         with torch.no_grad():
             for parameter in self.hf.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
         tensors = self.hf.state_dict().items()
+        if pause_in_receive:
+            sending = asyncio.ensure_future(asyncio.to_thread(send, self.refit_peer, tensors))
+            await self.generator.pause_and_receive(self.version)
+            await self.generator.send_weights(lambda: sending)
+            return
         self.generator.receive(self.version)
         await asyncio.sleep(send_after_s)
         await self.generator.send_weights(lambda: asyncio.to_thread(send, self.refit_peer, tensors))
@@ -146,7 +152,8 @@ def test_the_model_runs_in_a_process_with_the_planned_onednn_cache(engine):
 
 
 @pytest.mark.slow
-def test_request_in_flight_across_refit_reports_both_versions(engine):
+@pytest.mark.parametrize("pause_in_receive", [False, True], ids=["pause, then receive", "pause in the receive call"])
+def test_request_in_flight_across_refit_reports_both_versions(engine, pause_in_receive):
     if engine.kind != "dense":
         pytest.skip("the version spans do not depend on the model; once is enough")
     old_version = engine.version
@@ -162,10 +169,14 @@ def test_request_in_flight_across_refit_reports_both_versions(engine):
         # request has sampled tokens under the old weights and is still running when it is paused.
         tasks = [asyncio.ensure_future(staggered(p, 0.1 * i)) for i, p in enumerate(prompts)]
         await asyncio.sleep(0.45)
-        reported = await engine.generator.pause()
-        in_flight = [not task.done() for task in tasks]
-        assert 0 < reported <= sum(in_flight)  # the later tasks may not have reached the engine yet
-        await engine.refit()
+        if pause_in_receive:  # the pause comes in the engines' call: still running after it is in flight across it
+            await engine.refit(pause_in_receive=True)
+            in_flight = [not task.done() for task in tasks]
+        else:
+            reported = await engine.generator.pause()
+            in_flight = [not task.done() for task in tasks]
+            assert 0 < reported <= sum(in_flight)  # the later tasks may not have reached the engine yet
+            await engine.refit()
         return in_flight, await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
     in_flight, samples = engine.run(scenario())
@@ -248,11 +259,15 @@ def refit_bookkeeping_engine(calls: list, load_error=None):
     itself is tested on the real engines above): each method's .remote() is a coroutine that logs the call;
     update_weights (the engine's receive) fails with load_error."""
     async def call(name, *args):
-        calls.append(name if name != "generate_batch" else f"generate_batch x{len(args[0])}")
-        await asyncio.sleep(0.01)
-        if name == "update_weights" and load_error:
-            raise load_error
         if name == "generate_batch":
+            name = f"generate_batch x{len(args[0])}"
+        elif name == "update_weights" and args[1]:  # pause_first
+            name = "pause + update_weights"
+        calls.append(name)
+        await asyncio.sleep(0.01)
+        if name.endswith("update_weights") and load_error:
+            raise load_error
+        if name.startswith("generate_batch"):
             return [f"sample of {request[0]}" for request in args[0]]
         return time.time()  # update_weights: when the engine resumed
 
@@ -284,6 +299,23 @@ def test_engines_resume_themselves_after_a_refit():
 
     asyncio.run(refit())
     assert calls == [["pause", "update_weights"] * 2] * 2  # no resume call: each engine resumes itself
+
+
+def test_partial_rollouts_refit_pauses_each_engine_in_its_receive_call():
+    calls = [[], []]
+    generator = refit_bookkeeping_generator(*(refit_bookkeeping_engine(c) for c in calls))
+
+    async def two_refits():
+        await generator.pause_and_receive(1)
+        await generator.send_weights(lambda: asyncio.sleep(0))
+        load = generator.loading
+        await generator.pause_and_receive(2)  # the engines pause again only once they have loaded refit 1
+        assert load.done() and not generator.paused
+        await generator.send_weights(lambda: asyncio.sleep(0))
+        await generator.loaded()
+
+    asyncio.run(two_refits())
+    assert calls == [["pause + update_weights"] * 2] * 2
 
 
 def test_requests_made_while_the_engines_load_reach_them_after_the_load_in_one_call():
