@@ -177,7 +177,7 @@ async def through_generator(plan, prompts: list[list[int]], setting: dict, gpus:
     print(f"  engine start (Ray actor): {time.perf_counter() - started:.1f} s", flush=True)
 
     async def batch() -> tuple[int, float, float]:
-        await generator.pause(keep_requests=False)  # clears the prefix cache, as a refit does
+        await generator.pause()  # clears the prefix cache, as a refit does
         await generator.resume()
         started = time.perf_counter()
         samples = await asyncio.gather(*(generator.generate(p, max_tokens=max_tokens, temperature=r.temperature,
@@ -234,7 +234,7 @@ async def refit_from_here(plan, generator, prompts: list[list[int]], max_tokens:
             for parameter in model.parameters():
                 parameter.mul_(1 + 0.05 * torch.randn_like(parameter))
         started = time.perf_counter()
-        await generator.pause(keep_requests=False)
+        await generator.pause()
         generator.receive(version)
         await generator.send_weights(lambda: asyncio.to_thread(send, peer, model.state_dict().items()))
         await generator.loaded()  # the engines resume themselves once loaded

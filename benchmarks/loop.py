@@ -285,7 +285,7 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
     generator = await Generator.start(plan)
 
     async def generator_batch(prompts: list[list[int]]) -> float:
-        await generator.pause(keep_requests=False)  # clears the prefix cache, as a refit does
+        await generator.pause()  # clears the prefix cache, as a refit does
         await generator.resume()
         started = time.perf_counter()
         samples = await asyncio.gather(*(
@@ -428,7 +428,7 @@ async def refit_main(refits: int, models: list[str]) -> None:
                     watcher = threading.Thread(target=watch)
                     watcher.start()
                     start = time.perf_counter()
-                    await generator.pause(keep_requests=False)
+                    await generator.pause()
                     paused = time.perf_counter()
                     generator.receive(version)
                     await generator.send_weights(lambda: asyncio.to_thread(trainer.send_weights))

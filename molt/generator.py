@@ -339,12 +339,13 @@ class Generator:
         """Forget a finished session's engine."""
         self.picker.end_session(session_id)
 
-    async def pause(self, keep_requests: bool = True) -> int:
-        """Stop scheduling. keep_requests (partial rollout) freezes in-flight requests so they continue on
-        the next weights; otherwise they run to completion on the current ones before this returns.
-        Returns how many requests were in flight, over all engines."""
+    async def pause(self) -> int:
+        """Stop scheduling once the requests in flight have run to completion on the current weights; requests
+        made meanwhile wait for resume() or the next refit (partial rollout, which keeps requests in flight
+        across the refit, pauses in pause_and_receive). Returns how many requests were in flight, over all
+        engines."""
         await self.loaded()  # an engine still loading the last refit would resume after this pause
-        in_flight = await asyncio.gather(*(e.pause.remote(keep_requests) for e in self.engines))
+        in_flight = await asyncio.gather(*(e.pause.remote(keep_requests=False) for e in self.engines))
         self.paused = True
         return sum(in_flight)
 
@@ -383,10 +384,10 @@ class Generator:
         self.loading = asyncio.ensure_future(self._load(version))
 
     async def pause_and_receive(self, version: int) -> None:
-        """pause(keep_requests=True), then receive(version), in one call to each engine: partial rollout needs no
-        count of the requests in flight, and the driver-engine round trip saved is on the step's path. The
-        sender may already be sending (Trainer.train_step's refit_after): the pause keeps requests, so it takes
-        one engine step, not a drain."""
+        """Pause keeping the requests in flight, then receive(version), in one call to each engine: partial
+        rollout needs no count of the requests in flight, and the driver-engine round trip saved is on the
+        step's path. The sender may already be sending (Trainer.train_step's refit_after): the pause keeps
+        requests, so it takes one engine step, not a drain."""
         if not self.refit_connected:
             raise RuntimeError("pause_and_receive needs the refit group: call connect_refit() first")
         await self.loaded()  # an engine still loading the last refit would resume after this pause

@@ -145,7 +145,7 @@ async def receive_refit(generator: Generator, trainer: Trainer, version: int, ke
     if keep_requests:
         await generator.pause_and_receive(version)
         return 0
-    in_flight = await generator.pause(keep_requests=False)
+    in_flight = await generator.pause()
     generator.receive(version)
     return in_flight
 
