@@ -5,8 +5,10 @@
     .venv/bin/python benchmarks/loop.py refit [--refits 10] [--models dense,moe,20m]
     .venv/bin/python benchmarks/loop.py startup [--repeats 2]
 
-schedules: `molt-run` (fresh process each) under schedule=sync, async and partial_rollout, then the bare vLLM
-AsyncLLM on the prompts of the sync run's steps with the same engine and sampling settings. Prints trained
+schedules: `molt-run` (fresh process each) under schedule=sync, async and partial_rollout; right after each
+sync run, the bare vLLM AsyncLLM on that run's step batches with the same engine and sampling settings (loop
+efficiency: the sync loop's generation rate / the bare engine's), then the bare engine and molt's Generator
+taking turns on them (the Generator's ratio: both engines up, the machine in the same state). Prints trained
 tokens/s, wall time per step and its stage breakdown, the async/sync ratios, loop/bare generation tokens/s,
 the share of step time outside generation and actor compute, and the peak memory of each run's process tree.
 `--setting long` uses the untrained tiny model, whose answers run to agent.max_tokens_per_turn=64.
@@ -265,26 +267,16 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
                                         for k in range(r.samples_per_prompt)))
         return sum(tokens) / (time.perf_counter() - started)
 
-    try:
-        await bare_batch(batches[0], "warmup")
-        bare = [await bare_batch(prompts, f"step{i}") for i, prompts in enumerate(batches) if i >= SKIP]
-    finally:
-        llm.shutdown()
-        llm = None
-        gc.collect()  # let the AsyncLLM go now, not during interpreter exit
-    if not with_generator:
-        print("BARE " + json.dumps({"bare": bare}), flush=True)
-        return
+    generator = None
+    if with_generator:  # the same batches through molt's Generator: the engine in a Ray actor, requests batched
+        import ray
 
-    # The same batches through molt's Generator: the engine in a Ray actor, requests batched per Ray call.
-    import ray
+        from molt.generator import Generator
 
-    from molt.generator import Generator
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        generator = await Generator.start(plan)
 
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    generator = await Generator.start(plan)
-
-    async def generator_batch(prompts: list[list[int]]) -> float:
+    async def generator_batch(prompts: list[list[int]], name: str) -> float:
         await generator.pause()  # clears the prefix cache, as a refit does
         await generator.resume()
         started = time.perf_counter()
@@ -293,27 +285,45 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
             for p in prompts for _ in range(r.samples_per_prompt)))
         return sum(len(s.token_ids) for s in samples) / (time.perf_counter() - started)
 
+    # Both engines stay up and take each step's batch in turn, the first one alternating: this machine's speed
+    # drifts within minutes, and a ratio of rates read minutes apart measured the drift.
+    ways = {"bare": bare_batch, **({"generator": generator_batch} if generator else {})}
+    rates = {way: [] for way in ways}
     try:
-        await generator_batch(batches[0])
-        through_generator = [await generator_batch(prompts) for i, prompts in enumerate(batches) if i >= SKIP]
+        for way, batch in ways.items():
+            await batch(batches[0], f"warmup-{way}")
+        for i, prompts in enumerate(batches[SKIP:]):
+            for way in (list(ways) if i % 2 == 0 else list(reversed(ways))):
+                rates[way].append(await ways[way](prompts, f"step{i}"))
     finally:
-        await generator.shutdown()
-        ray.shutdown()
-    print("BARE " + json.dumps({"bare": bare, "generator": through_generator}), flush=True)
+        llm.shutdown()
+        llm = None
+        if generator:
+            await generator.shutdown()
+            ray.shutdown()
+        gc.collect()  # let the AsyncLLM go now, not during interpreter exit
+    print("BARE " + json.dumps(rates), flush=True)
 
 
 # ---- side by side ----
 
-def compare(configs: dict[str, tuple[list[str], str]], steps: int, repeats: int, root: str) -> dict[str, list[dict]]:
+def compare(configs: dict[str, tuple[list[str], str]], steps: int, repeats: int, root: str,
+            bare_after: tuple[str, ...] = ()) -> dict[str, list[dict]]:
     """Run each config (label -> (overrides, molt source dir)) `repeats` times, interleaved; returns the steady-state
-    summaries by label."""
+    summaries by label. The runs of the labels in bare_after are followed at once by the bare engine on their
+    prompts ("bare": loop efficiency compares rates read a minute, not a whole invocation, apart), then by the
+    Generator beside it ("generator_vs_bare")."""
     runs = {label: [] for label in configs}
     for rep in range(repeats):
         for label, (overrides, code) in configs.items():
             run_dir = os.path.join(root, f"{re.sub(r'[^a-z0-9]+', '_', label)}-{rep}")
-            runs[label].append(steady(run_molt([f"trainer.steps={steps}", *overrides], run_dir, code)))
-            runs[label][-1]["run_dir"] = run_dir
-            print(f"  rep {rep} {label}: {runs[label][-1]['step_s']:.2f} s/step", flush=True)
+            run = steady(run_molt([f"trainer.steps={steps}", *overrides], run_dir, code)) | {"run_dir": run_dir}
+            if label in bare_after:
+                run["bare"] = bare_engine(run_dir, code, generator=False)["bare"]  # alone: no Ray, no second engine
+                beside = bare_engine(run_dir, code)
+                run["generator_vs_bare"] = beside["generator"] / beside["bare"]
+            runs[label].append(run)
+            print(f"  rep {rep} {label}: {run['step_s']:.2f} s/step", flush=True)
     return runs
 
 
@@ -355,8 +365,7 @@ def compare_schedules(args) -> None:
         sys.exit(f"--schedules {args.schedules}: start with sync, then any of {', '.join(SCHEDULES[1:])}")
     configs = {f"{schedule}{suffix}": ([f"schedule={schedule}", *SETTINGS[args.setting]], code)
                for schedule in schedules for suffix, code in codes.items()}
-    runs = compare(configs, args.steps, args.repeats, root)
-    generation = {suffix: [bare_engine(r["run_dir"], code) for r in runs[f"sync{suffix}"]] for suffix, code in codes.items()}
+    runs = compare(configs, args.steps, args.repeats, root, bare_after=tuple(f"sync{suffix}" for suffix in codes))
 
     print(f"\nsetting={args.setting}, {args.steps} steps per run (steady state: steps {SKIP}..), medians of "
           f"{args.repeats} repetition(s); load average {os.getloadavg()[0]:.1f}")
@@ -368,12 +377,15 @@ def compare_schedules(args) -> None:
             print(f"{schedule}{suffix} / sync{suffix}: trained tokens/s x"
                   f"{median_of(other, 'trained_tok_s') / median_of(sync, 'trained_tok_s'):.2f}, "
                   f"wall per step x{median_of(other, 'step_s') / median_of(sync, 'step_s'):.2f}")
-        bare = statistics.median(g["bare"] for g in generation[suffix])
-        generator = statistics.median(g["generator"] for g in generation[suffix])
+        bare = median_of(sync, "bare")
         gen_phase = median_of(sync, "gen_phase_tok_s")
+        efficiency = sorted(r["gen_phase_tok_s"] / r["bare"] for r in sync)  # each run against its own bare engine
+        generator_vs_bare = sorted(r["generator_vs_bare"] for r in sync)
         print(f"generated tokens/s on the sync run's prompts, one step's requests at a time{suffix}: bare AsyncLLM "
-              f"{bare:.0f}, molt Generator {generator:.0f} (x{generator / bare:.2f}), the sync loop while it waits for "
-              f"the batch {gen_phase:.0f}: loop efficiency {gen_phase / bare:.2f}")
+              f"{bare:.0f}, the sync loop while it waits for the batch {gen_phase:.0f}: loop efficiency "
+              f"{statistics.median(efficiency):.2f} (runs {' '.join(f'{e:.2f}' for e in efficiency)}); molt Generator "
+              f"x{statistics.median(generator_vs_bare):.2f} of the bare engine beside it (runs "
+              f"{' '.join(f'{g:.2f}' for g in generator_vs_bare)})")
         for schedule in schedules[1:]:
             rate = median_of(runs[f"{schedule}{suffix}"], "trained_tok_s")
             print(f"  {schedule}{suffix}: generated tokens/s over whole steps {rate:.0f}, / bare {rate / bare:.2f}")
