@@ -7,11 +7,13 @@ a multimodal prompt, expanding each IMAGE token into the model's image tokens; t
 rendering for the trace. The `Generator` keeps all requests of a session on one
 engine (its prefix cache holds the earlier turns) and sends new sessions to the least-loaded engine;
 requests made together reach their engine in one Ray call.
-Refit is pause (requests kept) -> receive -> send_weights, through vLLM's weight-transfer API with the
-backend in molt/refit.py: the sender (trainer rank 0) broadcasts to every engine worker over one process
-group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs). The engines may start receiving
-before the sender starts: they wait for it. Each engine resumes once it has loaded the weights;
-`send_weights` returns when the sender is done, so the load overlaps the caller's next work.
+Refit is pause (requests in flight finish first) -> receive -> send_weights, or with partial rollout
+pause_and_receive (requests kept, to continue on the new weights) -> send_weights, through vLLM's
+weight-transfer API with the backend in molt/refit.py: the sender (trainer rank 0) broadcasts to every
+engine worker over one process group, formed once by `connect_refit` (gloo on CPU, NCCL between GPUs). The
+engines may start receiving before the sender starts: they wait for it. Each engine resumes once it has
+loaded the weights; `send_weights` returns when the sender is done, so the load overlaps the caller's next
+work.
 """
 
 from __future__ import annotations
