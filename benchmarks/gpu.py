@@ -130,21 +130,21 @@ async def measure(batch, batches: int, gpus: int, deadline: float) -> float:
 async def bare(plan, prompts: list[list[int]], setting: dict, gpus: int, deadline: float) -> tuple[float, float]:
     """Part 1: returns the engine start time and the median tokens/s."""
     from molt.generator import start_engine
-    from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     r = plan.rollout
-    # As molt's engine samples (molt/generator.py): Generator.generate has no ignore_eos, so neither has
-    # this, and both parts do the same work on average (the lengths are printed).
-    params = SamplingParams(max_tokens=setting["max_tokens"], temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     started = time.perf_counter()
     llm = start_engine(plan.model.path, plan.rollout, plan.parallel.device, plan.seed)  # as the loop's engine
     start_s = time.perf_counter() - started
     print(f"  engine start: {start_s:.1f} s", flush=True)
 
     async def one(prompt_ids: list[int], request_id: str) -> int:
+        # As molt's engine samples (molt/generator.py): Generator.generate has no ignore_eos, so neither has
+        # this, and both parts do the same work on average (the lengths are printed).
+        params = SamplingParams(max_tokens=setting["max_tokens"], temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                skip_clone=True)
         async for output in llm.generate(tokens_input(prompt_ids), params, request_id):  # as RolloutEngine
             pass
         return len(output.outputs[0].token_ids)

@@ -244,9 +244,8 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
         batches = [[pool.row(g)["prompt_ids"] for g in json.loads(line)["groups"]] for line in f]
 
     llm = start_engine(plan.model.path, plan.rollout, "cpu", plan.seed)  # as the loop's RolloutEngine does
-    from vllm import SamplingParams
     from vllm.inputs.engine import tokens_input
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     r = plan.rollout
 
@@ -255,7 +254,8 @@ async def bare_main(run_dir: str, with_generator: bool) -> None:
 
     async def one(prompt_ids: list[int], request_id: str) -> int:
         params = SamplingParams(max_tokens=max_tokens(prompt_ids), temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                                top_k=r.top_k, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+                                skip_clone=True)
         async for output in llm.generate(tokens_input(prompt_ids), params, request_id):  # as RolloutEngine
             pass
         return len(output.outputs[0].token_ids)
